@@ -1,0 +1,91 @@
+"""The benchmark registry: one entry per op of the course.
+
+An entry says how to build inputs for a problem size, how many floating-point operations and
+bytes of memory traffic one call costs (so timings turn into TFLOP/s, GB/s and a fraction of the
+device's peak), which implementations ("providers") to time, and which sizes matter on a GPU and
+which are small enough for a CPU.
+
+Each course module registers its entries in ``llmu/<topic>/bench.py``; ``load_all()`` imports
+those modules. Providers of kind ``"triton"`` are timed only on a GPU: in the interpreter their
+timings say nothing about the kernel.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+PROVIDER_KINDS = ("triton", "torch", "builtin", "external")
+
+
+@dataclass(frozen=True)
+class Provider:
+    """One implementation of an op. ``fn(*inputs)`` runs it once on inputs made by ``Entry.setup``."""
+
+    fn: Callable
+    kind: str  # "triton" (llmu kernel), "torch" (llmu reference), "builtin" (PyTorch's own), "external"
+    label: str = ""
+
+    def __post_init__(self):
+        if self.kind not in PROVIDER_KINDS:
+            raise ValueError(f"Provider.kind must be one of {PROVIDER_KINDS}, got {self.kind!r}")
+
+
+@dataclass
+class Entry:
+    """A benchmarked op.
+
+    ``setup(size, device, dtype)`` returns the tuple of inputs passed to every provider.
+    ``flops(size)`` and ``bytes(size, elem_bytes)`` are the per-call costs, written out as formulas
+    (they are what the roofline of module 05 plots). ``size`` is a plain dict such as
+    ``{"M": 4096, "N": 4096}``.
+
+    Whole-model measurements (tokens per second) set ``run`` instead: ``run(size, device)`` returns
+    a list of result rows (dicts) and the generic timer is not used.
+    """
+
+    name: str
+    module: str
+    description: str
+    providers: dict[str, Provider] = field(default_factory=dict)
+    setup: Callable | None = None
+    flops: Callable[[dict], float] | None = None
+    bytes: Callable[[dict, int], float] | None = None
+    gpu_sizes: list[dict] = field(default_factory=list)
+    cpu_sizes: list[dict] = field(default_factory=list)
+    gpu_dtype: torch.dtype = torch.bfloat16
+    cpu_dtype: torch.dtype = torch.float32
+    run: Callable | None = None
+    x_axis: str | None = None  # the size key plotted on the x axis
+
+    def __post_init__(self):
+        if self.run is None and (self.setup is None or not self.providers):
+            raise ValueError(f"benchmark entry {self.name!r} needs either run= or setup= and providers=")
+
+
+REGISTRY: dict[str, Entry] = {}
+
+# Topic packages that register benchmark entries, in course order.
+TOPICS = ["welcome", "embeddings", "attention", "layers", "models"]
+
+
+def register(entry: Entry) -> Entry:
+    """Add ``entry`` to the registry (names are unique)."""
+    if entry.name in REGISTRY and REGISTRY[entry.name] is not entry:
+        raise ValueError(f"a benchmark named {entry.name!r} is already registered")
+    REGISTRY[entry.name] = entry
+    return entry
+
+
+def load_all() -> dict[str, Entry]:
+    """Import every topic's ``bench`` module and return the registry."""
+    for topic in TOPICS:
+        try:
+            importlib.import_module(f"llmu.{topic}.bench")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"llmu.{topic}.bench":
+                raise
+    return REGISTRY

@@ -1,0 +1,91 @@
+"""Argument checks shared by every kernel launcher.
+
+A Triton kernel indexes raw memory: handed a tensor of the wrong shape, dtype, device or layout it
+does not fail, it computes garbage. Launchers therefore validate their inputs with these helpers,
+which raise ``TypeError``/``ValueError`` messages that name the argument and what was expected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from llmu import runtime
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def require_tensor(
+    name: str,
+    x,
+    *,
+    ndim: int | Iterable[int] | None = None,
+    dtypes: Iterable[torch.dtype] | None = None,
+    device: torch.device | str | None = "kernel",
+    last_dim_contiguous: bool = False,
+) -> torch.Tensor:
+    """Check that ``x`` is a tensor fit for a kernel launch; return it unchanged.
+
+    ``device="kernel"`` (the default) asks for the device Triton kernels run on in the current
+    mode: CPU tensors in interpreter mode, CUDA tensors when compiled.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if x.ndim not in allowed:
+            want = " or ".join(str(a) for a in allowed)
+            raise ValueError(f"{name} must have {want} dimensions, got shape {tuple(x.shape)}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if x.dtype not in dtypes:
+            want = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise TypeError(f"{name} must have dtype {want}; got {str(x.dtype).removeprefix('torch.')}")
+    if device is not None:
+        want_dev = runtime.kernel_device() if device == "kernel" else torch.device(device)
+        if x.device.type != want_dev.type:
+            hint = (
+                " (Triton runs in its interpreter on this machine: kernels take CPU tensors)"
+                if runtime.interpreting()
+                else " (Triton kernels run on the GPU: move the tensor with .cuda())"
+            )
+            raise ValueError(f"{name} must be on {want_dev.type}, got {x.device.type}{hint}")
+    if last_dim_contiguous and x.ndim > 0 and x.shape[-1] > 1 and x.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride 1), got strides {x.stride()}")
+    return x
+
+
+def require_same_dtype(**tensors: torch.Tensor) -> torch.dtype:
+    """All the given tensors share one dtype; return it."""
+    items = list(tensors.items())
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.dtype != first.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but {first_name} has {first.dtype}; they must match")
+    return first.dtype
+
+
+def require_same_device(**tensors: torch.Tensor) -> torch.device:
+    items = list(tensors.items())
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; they must match")
+    return first.device
+
+
+def require_positive(name: str, value, *, integer: bool = False):
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise TypeError(f"{name} must be a positive {'int' if integer else 'number'}, got {value!r}")
+    if not value > 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return value
+
+
+def require_power_of_two(name: str, value: int) -> int:
+    require_positive(name, value, integer=True)
+    if value & (value - 1):
+        raise ValueError(f"{name} must be a power of two, got {value}")
+    return value
