@@ -80,12 +80,31 @@ def register(entry: Entry) -> Entry:
     return entry
 
 
-def load_all() -> dict[str, Entry]:
-    """Import every topic's ``bench`` module and return the registry."""
+#: Topic bench modules that failed to import under ``load_all(strict=False)``: module -> reason.
+LOAD_ERRORS: dict[str, str] = {}
+
+
+def load_all(strict: bool = True) -> dict[str, Entry]:
+    """Import every topic's ``bench`` module and return the registry.
+
+    A topic without a ``bench`` module is skipped. With ``strict=False`` a bench module that fails
+    to import (say, a dependency missing on a GPU machine) is recorded in :data:`LOAD_ERRORS`
+    instead of stopping the others.
+    """
     for topic in TOPICS:
+        module = f"llmu.{topic}.bench"
         try:
-            importlib.import_module(f"llmu.{topic}.bench")
+            importlib.import_module(module)
         except ModuleNotFoundError as exc:
-            if exc.name != f"llmu.{topic}.bench":
+            if exc.name == module:
+                continue
+            if strict:
                 raise
+            LOAD_ERRORS[module] = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # noqa: BLE001 - recorded, the other topics still load
+            if strict:
+                raise
+            LOAD_ERRORS[module] = f"{type(exc).__name__}: {exc}"
+        else:
+            LOAD_ERRORS.pop(module, None)
     return REGISTRY

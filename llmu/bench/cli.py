@@ -1,0 +1,190 @@
+"""``llmu bench`` and ``python -m llmu.bench``: list, run and record the benchmark entries."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from llmu.bench.registry import LOAD_ERRORS, REGISTRY, load_all
+from llmu.bench.runner import TRITON_ON_CPU
+
+# (header, width, right-aligned) of the printed table.
+_COLUMNS = [
+    ("entry", 22, False), ("provider", 26, False), ("size", 34, False), ("dtype", 9, False),
+    ("ms", 10, True), ("p20..p80 ms", 21, True), ("TFLOP/s", 9, True), ("GB/s", 9, True),
+    ("peak", 9, True), ("", 0, False),
+]
+
+
+def _num(value, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    if value == 0:
+        return "0"
+    return f"{value:.{digits}g}"
+
+
+def _cells(row: dict) -> list[str]:
+    if row.get("status") == "ok" and row.get("ms") is not None:
+        spread = (f"{_num(row.get('ms_p20'), 3)}..{_num(row.get('ms_p80'), 3)}"
+                  if row.get("ms_p20") is not None else "")
+        fracs = [(row.get("frac_flops"), "fl"), (row.get("frac_bw"), "bw")]
+        fracs = [(f, tag) for f, tag in fracs if f is not None]
+        peak = ""
+        if fracs:
+            f, tag = max(fracs)
+            peak = f"{100 * f:.0f}% {tag}"
+        timing = [_num(row["ms"]), spread, _num(row.get("tflops"), 3), _num(row.get("gbs"), 4), peak]
+        note = row.get("reason") or ""
+    else:
+        timing = ["", "", "", "", ""]
+        reason = row.get("reason") or ""
+        if reason == TRITON_ON_CPU:
+            reason = "Triton kernels are timed on a GPU only (interpreter here)"
+        note = f"{row.get('status', '?')}: {reason}"
+    provider = row.get("provider") or "-"
+    if row.get("kind"):
+        provider = f"{provider} [{row['kind']}]"
+    return [row.get("entry") or "", provider, row.get("size_label") or "", row.get("dtype") or "",
+            *timing, note]
+
+
+def _line(cells: Sequence[str]) -> str:
+    parts = []
+    for text, (_, width, right) in zip(cells, _COLUMNS):
+        parts.append(text.rjust(width) if right else text.ljust(width))
+    return "  ".join(parts).rstrip()
+
+
+def table_header() -> str:
+    head = _line([c[0] for c in _COLUMNS])
+    return head + "\n" + "-" * len(head)
+
+
+def format_row(row: dict) -> str:
+    """One result row as a line of the table."""
+    return _line(_cells(row))
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    """Result rows as a readable fixed-width table (peak: % of the device's FLOP/s or bandwidth
+    peak, whichever is higher)."""
+    return "\n".join([table_header(), *(format_row(r) for r in rows)])
+
+
+def format_list(registry) -> str:
+    """The registered entries: name, course module, providers with their kinds, sizes."""
+    if not registry:
+        return "no benchmark entries are registered"
+    table = [("name", "module", "providers", "sizes gpu/cpu", "description")]
+    for entry in registry.values():
+        providers = ", ".join(f"{name} [{p.kind}]" for name, p in entry.providers.items()) or "run="
+        table.append((entry.name, entry.module, providers,
+                      f"{len(entry.gpu_sizes)}/{len(entry.cpu_sizes)}", entry.description))
+    widths = [max(len(r[i]) for r in table) for i in range(4)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in table]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="llmu bench",
+        description="Time the course's ops: Triton kernels (GPU only), llmu's torch references and "
+                    "PyTorch built-ins, as ms, TFLOP/s, GB/s and % of the device's peak.")
+    p.add_argument("names", nargs="*", metavar="NAME", help="entries to run (default: all)")
+    p.add_argument("--list", action="store_true", help="list the registered entries and exit")
+    p.add_argument("--out", metavar="FILE", help="write the results as JSON to FILE")
+    p.add_argument("--sizes", choices=["auto", "cpu", "gpu"], default="auto",
+                   help="which sizes to run (auto: GPU sizes on CUDA, CPU sizes otherwise)")
+    p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--repeats", type=int, help="timed samples per measurement on the CPU (default 7)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: as the process has them)")
+    p.add_argument("--budget", type=float, metavar="SECONDS",
+                   help="stop starting new sizes after this many seconds (they are recorded as skipped)")
+    return p
+
+
+def _catch_sigterm():
+    """Turn SIGTERM into KeyboardInterrupt while benchmarks run; returns the previous handler."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except (ValueError, AttributeError):  # not the main thread, or no SIGTERM on this platform
+        return None
+
+
+def _restore_sigterm(previous) -> None:
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def cli_main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``llmu bench``. Returns the exit status: 0 when every measurement that was
+    attempted worked, 1 when one failed, 2 for a bad request (such as an unknown name), 130 when
+    interrupted (results so far are still written with ``--out``)."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `llmu bench --list | head`: the reader left, which is no error
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+        return 0
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    from llmu.bench.results import save
+    from llmu.bench.runner import environment_info, make_results, run
+
+    args = _parser().parse_args(list(argv) if argv is not None else None)
+    registry = load_all(strict=False)
+    for module, reason in LOAD_ERRORS.items():
+        print(f"warning: {module} did not load: {reason}", file=sys.stderr)
+    if args.list:
+        print(format_list(REGISTRY))
+        return 0
+    unknown = [n for n in args.names if n not in registry]
+    if unknown:
+        print(f"llmu bench: unknown benchmark name(s) {', '.join(unknown)}; "
+              f"known: {', '.join(sorted(registry)) or '(none registered)'}", file=sys.stderr)
+        return 2
+    if not registry:
+        print("llmu bench: no benchmark entries are registered", file=sys.stderr)
+        return 2
+
+    done: list[dict] = []
+
+    def progress(row):
+        if not done:
+            print(table_header())
+        done.append(row)
+        print(format_row(row), flush=True)
+
+    # A run stopped from outside (Ctrl-C, or `timeout` sending SIGTERM) still saves what it measured.
+    previous = _catch_sigterm()
+    try:
+        results = run(args.names or None, device=args.device, sizes=args.sizes, repeats=args.repeats,
+                      progress=progress, budget_s=args.budget, threads=args.threads)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted after {len(done)} rows", file=sys.stderr)
+        if args.out:
+            partial = make_results(done, environment_info(args.device), args.sizes,
+                                   dict(LOAD_ERRORS), interrupted=True)
+            print(f"wrote {save(partial, args.out)} (partial)")
+        return 130
+    finally:
+        _restore_sigterm(previous)
+    env = results["environment"]
+    where = env.get("gpu_name") or f"CPU {env.get('device_name')}, {env.get('threads')} threads"
+    counts = {s: sum(r["status"] == s for r in results["rows"]) for s in ("ok", "skipped", "error")}
+    print(f"\n{where}; torch {env.get('torch')}, triton {env.get('triton')} ({env.get('triton_mode')}); "
+          f"{counts['ok']} measured, {counts['skipped']} skipped, {counts['error']} failed")
+    if args.out:
+        print(f"wrote {save(results, args.out)}")
+    return 1 if counts["error"] else 0

