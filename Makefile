@@ -13,8 +13,10 @@ PYTEST_ARGS ?= -n 2
 lab: $(VENV)/.llmu-lab
 	$(VENV)/bin/llmu lab
 
+# One math thread per test process: pytest-xdist already runs two processes on a 2-core machine,
+# and oversubscribed torch threads slow everything down several times.
 test: $(VENV)/.llmu-dev
-	$(PY) -m pytest $(PYTEST_ARGS)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest $(PYTEST_ARGS)
 
 setup: $(VENV)/.llmu-lab
 setup-dev: $(VENV)/.llmu-dev

@@ -152,6 +152,7 @@ def nbgrader_config(root=None, *, timeout: int = CELL_TIMEOUT):
     ``autograder/nbgrader_config.py`` merges exactly this, so the ``nbgrader`` command line, the
     formgrader and this module share one configuration.
     """
+    _scripts_on_path()
     from nbgrader.preprocessors import ClearHiddenTests, GetGrades
     from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor
     from traitlets.config import Config
@@ -216,9 +217,27 @@ def hide_hidden_tracebacks():
     return HideHiddenTracebacks
 
 
+def _scripts_on_path() -> None:
+    """Put this interpreter's script folder on PATH.
+
+    nbgrader runs ``alembic`` (its database migration tool) as a subprocess when it opens a
+    gradebook. In a virtual environment that was not activated (``.venv/bin/python -m ...``, as
+    ``make test`` does) that script is not on PATH, and every gradebook step fails with
+    ``FileNotFoundError: 'alembic'``.
+    """
+    import sys
+
+    scripts = os.path.dirname(os.path.abspath(sys.executable))
+    parts = os.environ.get("PATH", "").split(os.pathsep)
+    if scripts not in parts:
+        os.environ["PATH"] = os.pathsep.join([scripts, *parts])
+
+
 def _api(config):
     from nbgrader.apps import NbGraderAPI
     from nbgrader.coursedir import CourseDirectory
+
+    _scripts_on_path()
 
     # The API checks the exchange folder on start and logs a CRITICAL line when it is missing,
     # although this course does not use it.

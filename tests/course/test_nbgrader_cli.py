@@ -27,6 +27,7 @@ AID = "99_fixture"
 def _nbgrader(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).with_name("nbgrader")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "nbgrader"]
+    # PATH is left as it is: like `.venv/bin/nbgrader` typed without activating the environment.
     return subprocess.run(cmd + list(args), cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
