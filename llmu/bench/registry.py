@@ -69,7 +69,7 @@ class Entry:
 REGISTRY: dict[str, Entry] = {}
 
 # Topic packages that register benchmark entries, in course order.
-TOPICS = ["welcome", "embeddings", "attention", "layers", "models"]
+TOPICS = ["welcome", "embeddings", "attention", "layers", "models", "roofline", "kvcache", "gqa"]
 
 
 def register(entry: Entry) -> Entry:

@@ -65,6 +65,11 @@ class KVCache:
                 f"k and v must be (batch={ck.shape[0]}, kv_heads={ck.shape[1]}, T, head_dim={ck.shape[3]}); "
                 f"got {tuple(k.shape)} and {tuple(v.shape)}"
             )
+        for name, t in (("k", k), ("v", v)):
+            if t.dtype != ck.dtype:  # a silent cast would hide a model/cache mismatch
+                raise TypeError(f"{name} has dtype {t.dtype} but the KV cache holds {ck.dtype}")
+            if t.device != ck.device:
+                raise ValueError(f"{name} is on {t.device} but the KV cache is on {ck.device}")
         ck[:, :, start:end] = k
         cv[:, :, start:end] = v
         self._lengths[layer] = end

@@ -1,0 +1,48 @@
+"""Texts shipped with llmu, for measurements that need real English (perplexity, module 07).
+
+>>> from llmu.data import text, names
+>>> names()
+['essays']
+>>> text("essays")[:17]
+'Six Short Essays\\n'
+
+``essays``: six short expository essays (salt, river deltas, suspension bridges, bread,
+longitude, honeybee swarms), about 4,300 words, written for this repository and shipped under
+its licence (see ``README.md`` in this folder). Being new, they cannot have been part of the
+training data of any model the course uses.
+
+``json(name)`` reads the precomputed results shipped next to the texts (for example
+``gqa_perplexity`` from ``python -m llmu.gqa.precompute``).
+"""
+
+from __future__ import annotations
+
+import json as _json
+from importlib import resources
+
+__all__ = ["text", "names", "json"]
+
+
+def _folder():
+    return resources.files(__name__)
+
+
+def names() -> list[str]:
+    """The names :func:`text` accepts."""
+    return sorted(p.name[:-4] for p in _folder().iterdir() if p.name.endswith(".txt"))
+
+
+def text(name: str = "essays") -> str:
+    """The shipped text ``name`` (see :func:`names`) as one string."""
+    if name not in names():
+        raise ValueError(f"no text named {name!r}; available: {names()}")
+    return (_folder() / f"{name}.txt").read_text(encoding="utf-8")
+
+
+def json(name: str):
+    """The shipped JSON file ``name`` (without ``.json``), parsed."""
+    path = _folder() / f"{name}.json"
+    if not path.is_file():
+        available = sorted(p.name[:-5] for p in _folder().iterdir() if p.name.endswith(".json"))
+        raise ValueError(f"no JSON file named {name!r}; available: {available}")
+    return _json.loads(path.read_text(encoding="utf-8"))
