@@ -1,5 +1,13 @@
 """Shared fixtures.
 
+``kdev``: the device Triton kernels take their tensors on (``llmu.runtime.kernel_device()``): CPU
+when Triton runs in its interpreter, CUDA when it compiles. Kernel tests make their inputs there, so
+the same tests run on a laptop and on a GPU machine.
+
+``off_device``: a device the kernels must refuse, for the bad-device tests: ``meta`` (PyTorch's
+data-less device) in the interpreter, ``cpu`` on a GPU machine. The launchers' message names the
+kernel device ("x must be on cuda, got cpu"), so a test matches ``f"must be on {kdev.type}"``.
+
 ``smollm2``: the course's real model and its tokenizer, loaded once per test session (float32,
 CPU, the default "sdpa" attention). ``llmu.models.load_model`` caches the instance, so tests and
 notebooks executed in this process share it: tests must not modify its weights in place (use
@@ -10,6 +18,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+
+@pytest.fixture(scope="session")
+def kdev() -> torch.device:
+    """The device kernel launchers accept: cpu in Triton's interpreter, cuda when compiled."""
+    from llmu.runtime import kernel_device  # imported here: llmu picks the Triton mode on import
+
+    return kernel_device()
+
+
+@pytest.fixture(scope="session")
+def off_device(kdev) -> torch.device:
+    """A device that is not the kernel device: meta in the interpreter, cpu on a GPU."""
+    return torch.device("meta" if kdev.type == "cpu" else "cpu")
 
 
 def _model_installed() -> bool:

@@ -2,7 +2,8 @@
 
 - ``reference``: KV-head pooling (MHA -> GQA -> MQA) for weights and whole models, MLA with its
   absorbed-weight decode, KV bytes per token of each scheme;
-- ``kernels``: a Triton decode kernel that reads each KV head once for its whole query group;
+- ``kernels``: ``gqa_decode``, module 06's decode kernel (``llmu.kvcache.kernels``) under module 07's
+  name: grouped (each KV head read once for its whole query group) or per query head;
 - ``bench``: its benchmark entry (grouped vs per-head programs);
 - ``precompute``: the script behind ``llmu/data/gqa_perplexity.json``.
 """

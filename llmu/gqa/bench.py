@@ -5,8 +5,12 @@ positions of ``Hkv`` KV heads (``k``, ``v``: ``(B, Hkv, T, D)``), ``G = H / Hkv`
 
 FLOPs: two dot products of D multiply-adds per (query head, position): ``4·B·H·T·D``.
 
-Bytes: the cache dominates. A kernel that reads each KV head once (the grouped kernel: one
-program per KV head holds its G queries) moves
+Both Triton providers run the same kernel, module 06's ``decode_attention`` (flash-decoding, in
+``llmu/kvcache/kernels.py``), once with ``grouped=True`` and once with ``grouped=False``; only the
+cut of the work into programs differs, so the gap between them is what grouping saves.
+
+Bytes: the cache dominates. Reading each KV head once (grouped: one program per KV head holds its
+G queries) moves
 
     grouped:   elem·(2·B·Hkv·T·D + 2·B·H·D)      (K and V once; q read, output written)
 
@@ -26,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from llmu.bench.registry import Entry, Provider, register
-from llmu.gqa import kernels
+from llmu.kvcache.kernels import decode_attention
 from llmu.kvcache.reference import attend_cached
 
 
@@ -54,6 +58,14 @@ def per_head_bytes(size, elem: int) -> float:
     return elem * (2 * b * h * t * d + 2 * b * h * d)
 
 
+def _grouped(q, k, v, lengths):
+    return decode_attention(q, k, v, lengths, grouped=True)
+
+
+def _per_head(q, k, v, lengths):
+    return decode_attention(q, k, v, lengths, grouped=False)
+
+
 def _sdpa(q, k, v, lengths):
     # every sequence is full length in this benchmark, so no mask is needed
     return F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
@@ -65,10 +77,9 @@ GQA_DECODE = register(
         module="07_gqa_mqa_mla",
         description="one decode step of grouped-query attention over a T-position cache: grouped vs per-head programs",
         providers={
-            "llmu triton grouped": Provider(lambda q, k, v, n: kernels.gqa_decode(q, k, v, n, grouped=True), "triton",
-                                            "llmu gqa_decode, one program per KV head"),
-            "llmu triton per-head": Provider(lambda q, k, v, n: kernels.gqa_decode(q, k, v, n, grouped=False),
-                                             "triton", "llmu gqa_decode, one program per query head"),
+            "llmu triton grouped": Provider(_grouped, "triton", "llmu decode_attention(grouped=True), one program per KV head"),
+            "llmu triton per-head": Provider(_per_head, "triton",
+                                             "llmu decode_attention(grouped=False), one program per query head"),
             "llmu torch": Provider(attend_cached, "torch", "llmu.kvcache.reference.attend_cached"),
             "torch": Provider(_sdpa, "builtin", "F.scaled_dot_product_attention(enable_gqa=True)"),
         },

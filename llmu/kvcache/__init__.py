@@ -6,8 +6,8 @@
   (``attend_cached``), the flash-decoding split-and-merge in torch (``split_partials``,
   ``combine_partials_reference``), and greedy decoding with and without a cache
   (``decode_recompute``, ``decode_cached``);
-- ``llmu.kvcache.kernels``: the Triton flash-decoding kernel (``decode_attention``) and its merge
-  step (``combine_partials``, reused by module 07);
+- ``llmu.kvcache.kernels``: the Triton flash-decoding kernel (``decode_attention``, with the
+  ``grouped`` switch module 07 benchmarks) and its merge step (``combine_partials``);
 - ``llmu.kvcache.bench``: benchmark entries (``kv_cache_decode``, ``decode_attention``).
 
 The cache class itself is ``llmu.models.cache.KVCache`` (the one generation uses).

@@ -20,8 +20,10 @@ FLOPs (``G = H / Hkv`` query heads share it) for ``2 * D * elem`` bytes of K and
     flops = 4 * B * H * T * D
     bytes = elem * (2 * B * Hkv * T * D + 2 * B * H * D)      (K, V read once; q read, out written)
 
-Providers: the llmu Triton flash-decoding kernel, the llmu torch reference ``attend_cached``
-(it expands K/V to every query head and works in float32, so it moves far more than these bytes),
+Providers: the llmu Triton flash-decoding kernel (grouped: one program per KV head, so each key
+and value is read once; module 07's ``gqa_decode`` entry also times its per-query-head mode), the
+llmu torch reference ``attend_cached`` (it expands K/V to every query head and works in float32,
+so it moves far more than these bytes),
 and PyTorch's ``scaled_dot_product_attention`` with one query (``enable_gqa``). The GB/s of
 every provider is counted against the same ideal bytes, so they compare like for like and the
 Triton kernel's fraction of the HBM peak says how close decoding gets to the memory's speed.

@@ -7,16 +7,23 @@ program per (sequence, head) would leave most of a GPU idle (B·Hkv programs for
 flash-decoding also *splits the sequence*: program (b, kv head, split) reduces only its stretch of
 the cache and writes a partial result, and a second, small kernel merges the partials.
 
-``decode_attention(q, k_cache, v_cache, lengths, num_splits=None, scale=None)``
+``decode_attention(q, k_cache, v_cache, lengths, *, num_splits=None, scale=None, grouped=True)``
     ``q`` ``(B, H, D)``: the new token's queries; ``k_cache``, ``v_cache`` ``(B, Hkv, max_len, D)``
     padded caches; ``lengths`` ``(B,)`` integer: sequence ``b`` attends to positions
     ``0 .. lengths[b] - 1`` of its cache (ragged batches). Grouped-query attention: query head
-    ``h`` reads KV head ``h // (H // Hkv)``; one program loads the whole group of query heads
-    that share a KV head, so every key and value is read from memory once, not once per query
-    head.
+    ``h`` reads KV head ``h // G`` (``G = H // Hkv``). How the work is cut decides how often the
+    cache is read:
+
+    - ``grouped=True`` (the default): one program per (sequence, *KV* head, split). The ``G``
+      queries of the group form a ``(G, D)`` tile, every block of keys is loaded once and scored
+      against all of them with one ``tl.dot``, and the probabilities meet the values in a second
+      ``tl.dot``. Every key and value is read from memory once, whatever ``G``.
+    - ``grouped=False``: one program per (sequence, *query* head, split). The ``G`` programs of a
+      group each stream the same KV head: ``G`` reads of every key and value for the same answer.
+      It exists so that module 07's benchmark measures what grouping saves with the same kernel.
 
 ``combine_partials(partial_out, partial_lse)``
-    The merge step on its own (module 07 reuses it). Each split ``s`` has computed
+    The merge step on its own. Each split ``s`` has computed
     ``o_s = sum_j p_j v_j / l_s`` over its keys (``p_j = exp(score_j - m_s)``, ``l_s = sum_j p_j``)
     and ``lse_s = m_s + log(l_s)``, the log of its softmax denominator. The whole softmax
     denominator is ``sum_s exp(lse_s)``, so the exact attention output is the weighted mean
@@ -26,7 +33,8 @@ the cache and writes a partial result, and a second, small kernel merges the par
     (subtracting the maximum keeps every exponent <= 0, as in the softmax itself). An empty split
     (no keys) has ``lse_s = -inf`` and weight 0; a row whose splits are all empty gets 0.
 
-Both kernels accumulate in float32; ``decode_attention`` returns the input dtype.
+Both kernels accumulate in float32; ``decode_attention`` returns the input dtype. Module 07's
+``llmu.gqa.kernels.gqa_decode`` is this kernel under its own name.
 """
 
 from __future__ import annotations
@@ -37,9 +45,10 @@ import torch
 import triton
 import triton.language as tl
 
+from llmu import runtime
 from llmu.checks import FLOAT_DTYPES, require_positive, require_same_device, require_same_dtype, require_tensor
 
-__all__ = ["combine_partials", "decode_attention", "decode_partials", "choose_num_splits", "BLOCK_N"]
+__all__ = ["combine_partials", "decode_attention", "decode_partials", "choose_num_splits", "BLOCK_N", "HEAD_DIMS"]
 
 #: Keys (cache positions) one program handles per loop step.
 BLOCK_N = 64
@@ -94,7 +103,7 @@ def combine_partials(partial_out: torch.Tensor, partial_lse: torch.Tensor, *, ou
                      return_lse: bool = False):
     """Merge per-split attention results into the attention output (the flash-decoding reduction).
 
-    Stable signature, reused by module 07:
+    Stable signature:
 
     - ``partial_out``: ``(B, H, S, D)`` float32, split ``s``'s attention output *normalised over its
       own keys* (``sum_j p_j v_j / sum_j p_j``); any value where the split is empty.
@@ -139,46 +148,55 @@ def combine_partials(partial_out: torch.Tensor, partial_lse: torch.Tensor, *, ou
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, len_ptr, po_ptr, plse_ptr,
-    num_kv_heads, num_splits, scale,
+    programs_per_seq, num_splits, scale,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
     stride_pb, stride_ph, stride_ps, stride_pd,
     stride_lb, stride_lh, stride_ls,
-    GROUP: tl.constexpr,        # query heads per KV head
+    GROUP: tl.constexpr,        # query heads per KV head, H / Hkv
+    GROUPED: tl.constexpr,      # True: a program serves a KV head's GROUP queries; False: one query head
     HEAD_DIM: tl.constexpr,
-    BLOCK_G: tl.constexpr,      # GROUP padded to a power of two >= 16 (tl.dot's smallest tile)
+    BLOCK_G: tl.constexpr,      # query rows of the tile, padded to a power of two >= 16 (tl.dot's smallest)
     BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,    # "ieee" for float32 inputs (no TF32 rounding), "tf32" otherwise
+    PRECISION: tl.constexpr,    # "ieee" for float32 inputs (no TF32 rounding on a GPU), "tf32" otherwise
 ):
     pid = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    b = pid // num_kv_heads
-    kvh = pid % num_kv_heads
+    b = pid // programs_per_seq
+    j = pid % programs_per_seq
 
-    # 1. This split's stretch [start, end) of sequence b: ceil(length / S) positions, rounded up
+    # 1. Which query heads this program serves, and the KV head they share (query head h reads
+    #    KV head h // GROUP).
+    g = tl.arange(0, BLOCK_G)
+    if GROUPED:
+        kvh = j                       # program = KV head j: its query heads j*GROUP .. j*GROUP + GROUP-1
+        heads = kvh * GROUP + g
+        rows = g < GROUP
+    else:
+        kvh = j // GROUP              # program = query head j, streaming KV head j // GROUP on its own
+        heads = j + g
+        rows = g < 1
+
+    # 2. This split's stretch [start, end) of sequence b: ceil(length / S) positions, rounded up
     #    to whole blocks; the last splits of a short sequence are short or empty.
     length = tl.load(len_ptr + b).to(tl.int32)
     chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, length)
 
-    # 2. The queries of the GROUP heads that share KV head kvh (query head h reads KV head
-    #    h // GROUP), as a (BLOCK_G, D) tile: each key and value is loaded once for all of them.
-    g = tl.arange(0, BLOCK_G)
+    # 3. The queries as a (BLOCK_G, D) tile; rows past the group are zeros and never stored.
     d = tl.arange(0, HEAD_DIM)
-    heads = kvh * GROUP + g
-    gmask = g < GROUP
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd,
-                mask=gmask[:, None], other=0.0)
-
+                mask=rows[:, None], other=0.0)
     k_base = k_ptr + b * stride_kb + kvh * stride_kh
     v_base = v_ptr + b * stride_vb + kvh * stride_vh
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)    # running max of the scores, per head
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)    # running max of each row's scores
     l = tl.zeros([BLOCK_G], tl.float32)                  # running sum of exp(score - m)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)      # running sum of exp(score - m) * v
 
-    # 3. Online softmax over the stretch, BLOCK_N cached positions at a time.
+    # 4. Online softmax over the stretch, BLOCK_N cached positions at a time. Each key/value block
+    #    is loaded ONCE for all the tile's rows: the whole group when GROUPED, a single head if not.
     for n0 in range(start, end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         nmask = offs < end                               # never read past the sequence's length
@@ -193,13 +211,14 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
 
-    # 4. The split's normalised output and log-sum-exp; an empty split writes 0 and -inf.
+    # 5. The split's normalised output and log-sum-exp; an empty split writes 0 and -inf
+    #    (combine_partials gives it weight 0).
     has = l > 0
     out = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)
     lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
     tl.store(po_ptr + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + d[None, :] * stride_pd,
-             out, mask=gmask[:, None])
-    tl.store(plse_ptr + b * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=gmask)
+             out, mask=rows[:, None])
+    tl.store(plse_ptr + b * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=rows)
 
 
 def _sm_count(device) -> int:
@@ -208,6 +227,9 @@ def _sm_count(device) -> int:
 
 def choose_num_splits(batch: int, kv_heads: int, max_length: int, device=None) -> int:
     """How many splits to cut each sequence into.
+
+    ``kv_heads`` is the number of programs per sequence and split: the KV heads for the grouped
+    kernel (the query heads when ``decode_attention`` runs with ``grouped=False``).
 
     On a GPU: enough (batch, KV head, split) programs to fill every streaming multiprocessor about
     twice over, but no split shorter than 256 positions (a split must read enough to hide the
@@ -235,42 +257,60 @@ def _validate(q, k_cache, v_cache, lengths):
     d = q.shape[-1]
     if d not in HEAD_DIMS:
         raise ValueError(f"q: head_dim must be one of {HEAD_DIMS}, got {d}")
+    if q.dtype == torch.bfloat16 and runtime.interpreting():
+        # the interpreter computes tl.dot with numpy, which has no bfloat16: it would return garbage
+        raise TypeError("q: bfloat16 needs a GPU (Triton's interpreter has no bfloat16 tl.dot); "
+                        "use float16 or float32")
 
 
-def decode_partials(q, k_cache, v_cache, lengths, num_splits: int, scale: float | None = None):
-    """Phase 1 only: ``(partial_out (B, H, S, D), partial_lse (B, H, S))`` float32 (see the module doc)."""
+def decode_partials(q, k_cache, v_cache, lengths, num_splits: int, scale: float | None = None, *,
+                    grouped: bool = True):
+    """Phase 1 only: ``(partial_out (B, H, S, D), partial_lse (B, H, S))`` float32 (see the module doc).
+
+    ``grouped=True``: one program per (sequence, KV head, split); ``False``: one per (sequence,
+    query head, split). Same partials either way, only the memory traffic differs.
+    """
     _validate(q, k_cache, v_cache, lengths)
     require_positive("num_splits", num_splits, integer=True)
+    if not isinstance(grouped, bool):
+        raise TypeError(f"grouped must be True or False, got {grouped!r}")
     b, h, d = q.shape
     hkv = k_cache.shape[1]
     group = h // hkv
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     partial_out = torch.empty((b, h, num_splits, d), dtype=torch.float32, device=q.device)
     partial_lse = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
+    per_seq = hkv if grouped else h
     if b:
-        _decode_split_kernel[(b * hkv, num_splits)](
+        _decode_split_kernel[(b * per_seq, num_splits)](
             q, k_cache, v_cache, lengths, partial_out, partial_lse,
-            hkv, num_splits, scale,
+            per_seq, num_splits, scale,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *partial_out.stride(), *partial_lse.stride(),
-            GROUP=group, HEAD_DIM=d, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
+            GROUP=group, GROUPED=grouped, HEAD_DIM=d,
+            # per head: one real row, padded to 16 because tl.dot needs it (wasted FLOPs, not bytes)
+            BLOCK_G=max(16, triton.next_power_of_2(group if grouped else 1)), BLOCK_N=BLOCK_N,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         )
     return partial_out, partial_lse
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                     num_splits: int | None = None, scale: float | None = None) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor, *,
+                     num_splits: int | None = None, scale: float | None = None, grouped: bool = True) -> torch.Tensor:
     """Attention of one new token per sequence against a padded KV cache (flash-decoding).
 
     ``q`` ``(B, H, D)``; ``k_cache``, ``v_cache`` ``(B, Hkv, max_len, D)`` with ``H`` a multiple of
-    ``Hkv``; ``lengths`` ``(B,)`` int32/int64, each in ``1 .. max_len``; ``num_splits``: splits
-    per sequence (default :func:`choose_num_splits`; more splits than positions is allowed, the
-    extra ones are empty); ``scale`` defaults to ``1/sqrt(D)``. Returns ``(B, H, D)`` in q's dtype,
-    equal to ``reference.attend_cached``.
+    ``Hkv`` (``Hkv = H``: MHA; ``Hkv = 1``: MQA); ``lengths`` ``(B,)`` int32/int64, each in
+    ``1 .. max_len``; ``num_splits``: splits per sequence (default :func:`choose_num_splits`; more
+    splits than positions is allowed, the extra ones are empty); ``scale`` defaults to
+    ``1/sqrt(D)``; ``grouped``: one program per KV head, reading each key and value once for its
+    whole group of query heads (the default), or, with ``False``, one program per query head, so
+    that a group's ``H/Hkv`` programs each read the same KV head (module 07 measures the
+    difference). Returns ``(B, H, D)`` in q's dtype, equal to ``reference.attend_cached``.
     """
     _validate(q, k_cache, v_cache, lengths)
     if num_splits is None:
         longest = int(lengths.max()) if lengths.numel() else 1
-        num_splits = choose_num_splits(q.shape[0], k_cache.shape[1], longest, q.device)
-    partial_out, partial_lse = decode_partials(q, k_cache, v_cache, lengths, num_splits, scale)
+        per_seq = k_cache.shape[1] if grouped else q.shape[1]
+        num_splits = choose_num_splits(q.shape[0], per_seq, longest, q.device)
+    partial_out, partial_lse = decode_partials(q, k_cache, v_cache, lengths, num_splits, scale, grouped=grouped)
     return combine_partials(partial_out, partial_lse, out_dtype=q.dtype)

@@ -36,7 +36,7 @@ def rope_angles(
     require_positive("head_dim", head_dim, integer=True)
     if head_dim % 2:
         raise ValueError(f"head_dim must be even (dimensions are rotated in pairs), got {head_dim}")
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim)
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     return angles.cos().float(), angles.sin().float()
 

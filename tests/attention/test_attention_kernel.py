@@ -5,7 +5,12 @@ different order than the references: outputs (weighted means of values ~N(0, 1))
 1e-7, and ``atol=rtol=1e-5`` leaves margin. In fp16/bf16 the inputs are the same for both sides
 (the reference upcasts them), but the kernel rounds the probabilities to the input dtype before
 P·V (as on the GPU) and rounds the output: a few units of the dtype's eps remain (fp16 eps 1e-3,
-bf16 eps 8e-3, on outputs of magnitude up to ~3).
+bf16 eps 8e-3, on outputs of magnitude up to ~3). Compiled on a GPU, fp32 tiles still multiply in
+IEEE fp32 (``input_precision="ieee"``) and fp16/bf16 tiles on tensor cores with fp32 accumulation,
+so the same bounds apply.
+
+Inputs are drawn on the CPU from seeded generators and moved to ``kernel_device()`` (cpu in
+Triton's interpreter, cuda when compiled); the references run on the same tensors.
 """
 
 from __future__ import annotations
@@ -18,23 +23,26 @@ from hypothesis import strategies as st
 
 import llmu  # noqa: F401
 from llmu.attention import kernels, reference
+from llmu.runtime import interpreting, kernel_device
+
+KDEV = kernel_device()
 
 F32 = dict(atol=1e-5, rtol=1e-5)
 LOW = {torch.float16: dict(atol=5e-3, rtol=5e-3), torch.bfloat16: dict(atol=4e-2, rtol=2e-2)}
 
 
 def _qkv(b, h, hkv, tq, tk, d, dtype=torch.float32, seed=0, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, h, tq, d, generator=g) * scale
-    k = torch.randn(b, hkv, tk, d, generator=g) * scale
-    v = torch.randn(b, hkv, tk, d, generator=g)
-    return q.to(dtype), k.to(dtype), v.to(dtype)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(b, h, tq, d, generator=g, device="cpu") * scale
+    k = torch.randn(b, hkv, tk, d, generator=g, device="cpu") * scale
+    v = torch.randn(b, hkv, tk, d, generator=g, device="cpu")
+    return q.to(KDEV, dtype), k.to(KDEV, dtype), v.to(KDEV, dtype)
 
 
 def _sdpa(q, k, v, causal):
     # SDPA's own is_causal aligns the mask top-left (query i sees keys <= i), which differs from
     # the decoding convention when q_len < kv_len: pass the bottom-right mask explicitly.
-    mask = reference.causal_mask(q.shape[2], k.shape[2]) if causal else None
+    mask = reference.causal_mask(q.shape[2], k.shape[2], device=q.device) if causal else None
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
@@ -62,7 +70,7 @@ def test_matches_reference_and_sdpa(case, causal):
     torch.testing.assert_close(out, ref_out, **F32)
     torch.testing.assert_close(w, ref_w, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(out, _sdpa(q, k, v, causal), **F32)
-    torch.testing.assert_close(w.sum(-1), torch.ones(w.shape[:-1]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(w.sum(-1), torch.ones(w.shape[:-1], device=KDEV), atol=1e-5, rtol=0)
 
 
 def test_causal_offset_when_queries_are_the_last_positions():
@@ -93,10 +101,10 @@ def test_gqa_equals_repeated_kv_heads():
 
 def test_strided_inputs():
     # q, k, v as views of a (B, T, H, D) projection output: non-contiguous, strides passed on.
-    g = torch.Generator().manual_seed(4)
-    q = torch.randn(2, 19, 4, 32, generator=g).transpose(1, 2)
-    k = torch.randn(2, 19, 2, 32, generator=g).transpose(1, 2)
-    v = torch.randn(2, 19, 2, 32, generator=g).transpose(1, 2)
+    g = torch.Generator(device="cpu").manual_seed(4)
+    q = torch.randn(2, 19, 4, 32, generator=g, device="cpu").to(KDEV).transpose(1, 2)
+    k = torch.randn(2, 19, 2, 32, generator=g, device="cpu").to(KDEV).transpose(1, 2)
+    v = torch.randn(2, 19, 2, 32, generator=g, device="cpu").to(KDEV).transpose(1, 2)
     assert not q.is_contiguous()
     torch.testing.assert_close(kernels.attention(q, k, v, causal=True), reference.attention(q, k, v, causal=True), **F32)
 
@@ -121,6 +129,22 @@ def test_large_scores_stay_finite():
 @pytest.mark.parametrize("causal", [False, True])
 def test_low_precision(dtype, causal):
     q, k, v = _qkv(1, 9, 3, 45, 45, 64, dtype=dtype, seed=7)
+    out = kernels.attention(q, k, v, causal=causal)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), reference.attention(q.float(), k.float(), v.float(), causal=causal), **LOW[dtype])
+
+
+@pytest.mark.skipif(
+    interpreting(),
+    reason="compiled only: 1024 x 1024 scores per head take minutes in Triton's CPU interpreter "
+    "(test_low_precision covers fp16/bf16 there on 45 tokens)",
+)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_low_precision_long_sequences_when_compiled(dtype, causal):
+    # 16 key blocks per query block, fp16/bf16 tiles on tensor cores: the error stays a few eps of
+    # the dtype (outputs are weighted means), so the LOW bounds hold at this length too.
+    q, k, v = _qkv(2, 9, 3, 1024, 1024, 64, dtype=dtype, seed=8)
     out = kernels.attention(q, k, v, causal=causal)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), reference.attention(q.float(), k.float(), v.float(), causal=causal), **LOW[dtype])
@@ -225,14 +249,15 @@ def test_rejects_non_bool_causal():
         kernels.attention(q, k, v, causal=1)
 
 
-def test_rejects_wrong_device():
+def test_rejects_wrong_device(kdev, off_device):
+    # The wrong device is the one the kernels do not run on: meta in the interpreter, cpu on a GPU.
     q, k, v = _good()
-    with pytest.raises(ValueError, match="v must be on"):
-        kernels.attention(q, k, v.to("meta"))
+    with pytest.raises(ValueError, match=f"v must be on {kdev.type}, got {off_device.type}"):
+        kernels.attention(q, k, v.to(off_device))
 
 
 def test_rejects_score_matrix_beyond_32_bit_offsets():
     # 46341^2 > 2^31 scores per head: refused before anything is allocated or launched.
-    q = torch.zeros(1, 1, 46341, 16)
+    q = torch.zeros(1, 1, 46341, 16, device=KDEV)
     with pytest.raises(ValueError, match="do not fit 32-bit offsets"):
         kernels.attention(q, q, q)

@@ -2,18 +2,25 @@
 pass every test cell, hidden parts included, and typical wrong answers fail them.
 
 The whole notebook (model cells, widgets, benchmark) is executed by the course-wide notebook tests.
+
+The cells make their tensors without naming a device; they are run with ``kernel_device()`` as
+torch's default device (a no-op in the interpreter, cuda when the kernels are compiled), so the
+exercise kernel gets tensors it can read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import re
 from pathlib import Path
 
 import pytest
+import torch
 
 import llmu  # noqa: F401  (Triton mode first: the exercise kernel is defined below)
+from llmu.runtime import kernel_device
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "solutions" / "02_attention" / "02_attention.ipynb"
 
@@ -49,6 +56,12 @@ def test_structure(nb):
     assert sum("### BEGIN HIDDEN TESTS" in "".join(c["source"]) for c in graded) == 3
 
 
+def _on_kernel_device():
+    """Torch's default device set to the kernel device while the cells run (nothing to do on CPU)."""
+    dev = kernel_device()
+    return contextlib.nullcontext() if dev.type == "cpu" else torch.device(dev)
+
+
 def _namespace(cells):
     ns: dict = {}
     exec(cells["setup"].replace("print(environment())", ""), ns)  # noqa: S102
@@ -82,12 +95,13 @@ EXERCISES = {
 @pytest.mark.parametrize("exercise", list(EXERCISES))
 def test_solutions_pass_all_tests(exercise, cells, tmp_path):
     solution, extra, tests = EXERCISES[exercise]
-    ns = _namespace(cells)
-    _define(ns, cells[solution], tmp_path, f"sol_{exercise}")
-    for name in extra:
-        exec(cells[name], ns)  # noqa: S102
-    for name in tests:
-        _run_test(ns, cells[name])
+    with _on_kernel_device():
+        ns = _namespace(cells)
+        _define(ns, cells[solution], tmp_path, f"sol_{exercise}")
+        for name in extra:
+            exec(cells[name], ns)  # noqa: S102
+        for name in tests:
+            _run_test(ns, cells[name])
 
 
 WRONG = {
@@ -105,9 +119,10 @@ def test_wrong_answers_fail(case, cells, tmp_path):
     exercise, old, new, test_cell = WRONG[case]
     solution, extra, _ = EXERCISES[exercise]
     assert old in cells[solution]
-    ns = _namespace(cells)
-    _define(ns, cells[solution].replace(old, new), tmp_path, f"wrong_{exercise}_{abs(hash(case))}")
-    for name in extra:
-        exec(cells[name], ns)  # noqa: S102
-    with pytest.raises(AssertionError):
-        _run_test(ns, cells[test_cell])
+    with _on_kernel_device():
+        ns = _namespace(cells)
+        _define(ns, cells[solution].replace(old, new), tmp_path, f"wrong_{exercise}_{abs(hash(case))}")
+        for name in extra:
+            exec(cells[name], ns)  # noqa: S102
+        with pytest.raises(AssertionError):
+            _run_test(ns, cells[test_cell])

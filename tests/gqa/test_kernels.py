@@ -1,4 +1,10 @@
-"""The grouped decode kernel against the references, for MHA, GQA and MQA groups; bad inputs."""
+"""``gqa_decode``: module 06's decode kernel under module 07's name, for MHA, GQA and MQA groups.
+
+The kernel itself (splits, empty splits, the merge, every bad input) is tested in
+``tests/kvcache/test_decode_kernel.py``; here: the wrapper IS that kernel, both ways of cutting the
+work give the reference's answer for every group size, ``lengths`` defaults to full caches, and
+bad inputs surface the kernel's own errors.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmu.attention import reference as attn_ref
-from llmu.runtime import interpreting
+from llmu.gqa import bench
 from llmu.gqa.kernels import gqa_decode, gqa_decode_partials
+from llmu.kvcache import kernels as kv_kernels
 from llmu.kvcache.reference import attend_cached
+from llmu.runtime import interpreting
 
 # float32 in and out: the kernel accumulates in float32 in a different order than torch, so
 # results agree to a few ulps of the O(1) outputs; 1e-5 leaves room for long rows.
@@ -23,6 +31,15 @@ def _inputs(b, h, hkv, t, d, dtype=torch.float32, seed=0):
             torch.randn(b, hkv, t, d, generator=g).to(dtype))
 
 
+@pytest.mark.parametrize("grouped", [True, False])
+def test_is_module_06s_kernel(grouped):
+    # one kernel: the wrapper's output is bit for bit decode_attention's
+    q, k, v = _inputs(2, 9, 3, 90, 32)
+    lengths = torch.tensor([90, 41])
+    want = kv_kernels.decode_attention(q, k, v, lengths, num_splits=2, grouped=grouped)
+    assert torch.equal(gqa_decode(q, k, v, lengths, num_splits=2, grouped=grouped), want)
+
+
 @pytest.mark.parametrize("h, hkv", [(4, 4), (9, 3), (16, 2), (8, 1), (9, 1)], ids=["MHA", "G3", "G8", "MQA8", "MQA9"])
 @pytest.mark.parametrize("grouped", [True, False])
 def test_matches_reference_ragged(h, hkv, grouped):
@@ -32,49 +49,23 @@ def test_matches_reference_ragged(h, hkv, grouped):
     torch.testing.assert_close(out, attend_cached(q, k, v, lengths), **TOL)
 
 
-def test_matches_causal_attention_last_row_batch_one():
+@pytest.mark.parametrize("grouped", [True, False])
+def test_default_lengths_is_the_last_row_of_causal_attention_batch_one(grouped):
     q, k, v = _inputs(1, 9, 3, 100, 64, seed=1)
-    # the new token's query against all 100 keys == the last row of causal attention
+    # no lengths: all 100 positions; the new token's query against them == causal attention's last row
     ref = attn_ref.attention(q[:, :, None], k, v, causal=True)[:, :, 0]
-    torch.testing.assert_close(gqa_decode(q, k, v), ref, **TOL)
+    torch.testing.assert_close(gqa_decode(q, k, v, grouped=grouped), ref, **TOL)
 
 
-@pytest.mark.parametrize("splits", [1, 2, 5, 8])
-def test_split_count_does_not_change_result(splits):
-    q, k, v = _inputs(2, 6, 2, 130, 32, seed=2)
-    lengths = torch.tensor([130, 65])
-    torch.testing.assert_close(gqa_decode(q, k, v, lengths, num_splits=splits), attend_cached(q, k, v, lengths), **TOL)
-
-
-def test_padding_past_length_is_ignored():
-    q, k, v = _inputs(1, 4, 2, 80, 16, seed=3)
-    k[:, :, 50:], v[:, :, 50:] = float("nan"), float("inf")
-    out = gqa_decode(q, k, v, torch.tensor([50]), num_splits=2)
-    assert torch.isfinite(out).all()
-    torch.testing.assert_close(out, attend_cached(q[:, :, :], k[:, :, :50], v[:, :, :50], torch.tensor([50])), **TOL)
-
-
-def test_partials_format():
+def test_partials_format_both_ways():
     q, k, v = _inputs(1, 4, 1, 10, 16)
-    po, lse = gqa_decode_partials(q, k, v, torch.tensor([10]), num_splits=3)
-    assert po.shape == (1, 4, 3, 16) and lse.shape == (1, 4, 3) and po.dtype == lse.dtype == torch.float32
-    # 10 positions in blocks of 64: split 0 has them all, the others are empty (-inf)
-    assert torch.isfinite(lse[..., 0]).all() and torch.isinf(lse[..., 1:]).all()
-
-
-@pytest.mark.parametrize("dtype, tol", [
-    (torch.float16, 2e-3),
-    # Triton's interpreter runs tl.dot through numpy, which has no bfloat16: GPU only
-    pytest.param(torch.bfloat16, 2e-2, marks=pytest.mark.skipif(interpreting(), reason="no bf16 tl.dot in the interpreter")),
-])
-def test_half_precision(dtype, tol):
-    # half inputs: scores are accumulated in fp32 but p is rounded to the input dtype before p @ v,
-    # an error of about one ulp of the dtype (fp16 ~1e-3, bf16 ~8e-3) on outputs of size O(1)
-    q, k, v = _inputs(2, 8, 2, 70, 64, dtype=dtype)
-    out = gqa_decode(q, k, v)
-    assert out.dtype == dtype
-    ref = attend_cached(q.float(), k.float(), v.float(), torch.tensor([70, 70]))
-    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+    for grouped in (True, False):
+        po, lse = gqa_decode_partials(q, k, v, num_splits=3, grouped=grouped)
+        assert po.shape == (1, 4, 3, 16) and lse.shape == (1, 4, 3) and po.dtype == lse.dtype == torch.float32
+        # 10 positions in blocks of 64: split 0 has them all, the others are empty (-inf)
+        assert torch.isfinite(lse[..., 0]).all() and torch.isinf(lse[..., 1:]).all()
+        torch.testing.assert_close(kv_kernels.combine_partials(po, lse), attend_cached(q, k, v, torch.tensor([10])),
+                                   **TOL)
 
 
 @settings(max_examples=6, deadline=None)
@@ -86,32 +77,40 @@ def test_random_shapes(b, hkv, group, t, d, grouped):
     torch.testing.assert_close(gqa_decode(q, k, v, lengths, grouped=grouped), attend_cached(q, k, v, lengths), **TOL)
 
 
-def test_bad_inputs():
+def test_bench_providers_run_the_one_kernel_both_ways():
+    assert {"llmu triton grouped", "llmu triton per-head"} <= set(bench.GQA_DECODE.providers)
+    size = dict(bench.GQA_DECODE.cpu_sizes[0], T=70)
+    inputs = bench._setup(size, "cpu", torch.float32)
+    ref = attend_cached(*inputs)
+    for name in ("llmu triton grouped", "llmu triton per-head", "torch"):
+        torch.testing.assert_close(bench.GQA_DECODE.providers[name].fn(*inputs), ref, **TOL)
+    # per head reads the cache G = H / Hkv times; q and the output are counted once either way
+    size = {"B": 2, "H": 9, "Hkv": 3, "T": 100, "D": 64}
+    cache = 2 * 2 * 100 * 64 * 4
+    assert bench.grouped_bytes(size, 4) == 3 * cache + 2 * 2 * 9 * 64 * 4
+    assert bench.per_head_bytes(size, 4) == 9 * cache + 2 * 2 * 9 * 64 * 4
+
+
+def test_bad_inputs_surface_the_kernels_checks():
     q, k, v = _inputs(1, 9, 3, 8, 16)
     with pytest.raises(ValueError, match="multiple of the KV-head count"):
         gqa_decode(q[:, :8], k, v)
     with pytest.raises(TypeError, match="k_cache"):
         gqa_decode(q, k.double(), v)
-    with pytest.raises(TypeError, match="dtype"):
-        gqa_decode(q, k.half(), v.half())
-    with pytest.raises(ValueError, match="head_dim"):
-        gqa_decode(q, k[..., :8], v[..., :8])
-    with pytest.raises(ValueError, match="head_dim must be one of"):
-        gqa_decode(q[..., :8], k[..., :8].contiguous(), v[..., :8].contiguous())
-    with pytest.raises(ValueError, match="v_cache"):
+    with pytest.raises(ValueError, match="cache_v must have cache_k's shape"):
         gqa_decode(q, k, v[:, :, :4])
-    with pytest.raises(ValueError, match="lengths must lie"):
-        gqa_decode(q, k, v, torch.tensor([9]))
-    with pytest.raises(ValueError, match="lengths must lie"):
+    with pytest.raises(ValueError, match="lengths must be <= the cache's max_len"):
+        gqa_decode(q, k, v, torch.tensor([9]), grouped=False)
+    with pytest.raises(ValueError, match="lengths must be >= 1"):
         gqa_decode(q, k, v, torch.tensor([0]))
-    with pytest.raises(ValueError, match="one entry per sequence"):
-        gqa_decode(q, k, v, torch.tensor([3, 3]))
     with pytest.raises(ValueError, match="batch"):
-        gqa_decode(q.expand(2, 9, 16).contiguous(), k, v)
+        gqa_decode(q.expand(2, 9, 16).contiguous(), k, v)       # default lengths follow k_cache
+    with pytest.raises(ValueError, match="k_cache must have 4 dimensions"):
+        gqa_decode(q, k[0], v)                                  # no lengths to default: k_cache is named
+    with pytest.raises(ValueError, match="num_splits"):
+        gqa_decode_partials(q, k, v, num_splits=0)
+    with pytest.raises(TypeError, match="grouped must be True or False"):
+        gqa_decode(q, k, v, grouped=None)
     if interpreting():
         with pytest.raises(TypeError, match="bfloat16"):
             gqa_decode(q.bfloat16(), k.bfloat16(), v.bfloat16())
-    with pytest.raises(ValueError, match="num_splits"):
-        gqa_decode(q, k, v, num_splits=0)
-    with pytest.raises(ValueError, match="ndim|dimensions"):
-        gqa_decode(q[0], k, v)

@@ -6,6 +6,9 @@ Tolerances: the kernels and the references do the same fp32 arithmetic in a slig
 order (row sums, the fused sigmoid), so each op differs by a few ulps; 30 layers deep that grows to
 about 1e-4 on logits of size ~40 (measured). 1e-3 keeps a margin and is below the smallest gap
 between the best and second-best logit on this prompt, which is why top-1 must also agree.
+
+The model runs on ``kernel_device()``: the session's CPU model in Triton's interpreter, a copy
+loaded on the GPU when the kernels are compiled.
 """
 
 import pytest
@@ -16,6 +19,17 @@ from llmu.layers import reference
 from llmu.layers.kernels import rms_norm, rope, swiglu_fused
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model_tok(smollm2, kdev):
+    """(model, tokenizer) with the model on the device the kernels take their tensors on."""
+    model, tok = smollm2
+    if model.device.type != kdev.type:
+        from llmu.models import load_model
+
+        model = load_model(dtype=torch.float32, device=kdev)
+    return model, tok
 
 
 def _block(x, layer, cos, sin, cfg, backend):
@@ -33,10 +47,10 @@ def _block(x, layer, cos, sin, cfg, backend):
     return x + m.down_proj(swiglu_fused(m.gate_proj(h), m.up_proj(h)))
 
 
-def test_model_with_kernels_gives_llmu_logits(smollm2):
-    model, tok = smollm2
+def test_model_with_kernels_gives_llmu_logits(model_tok):
+    model, tok = model_tok
     cfg = model.config
-    ids = torch.tensor([tok.encode("Rotary embeddings turn pairs of channels")])
+    ids = torch.tensor([tok.encode("Rotary embeddings turn pairs of channels")], device=model.device)
     cos, sin = model.rope_tables(0, ids.shape[1])
     with torch.no_grad():
         x = model.embed_tokens(ids)
@@ -48,14 +62,14 @@ def test_model_with_kernels_gives_llmu_logits(smollm2):
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
 
 
-def test_gradients_through_a_real_block(smollm2):
-    model, _ = smollm2
+def test_gradients_through_a_real_block(model_tok):
+    model, _ = model_tok
     cfg = model.config
     layer = model.layers[5]
     cos, sin = model.rope_tables(0, 7)
-    gen = torch.Generator().manual_seed(0)
-    x0 = torch.randn(2, 7, cfg.hidden_size, generator=gen)
-    dy = torch.randn(2, 7, cfg.hidden_size, generator=gen)
+    gen = torch.Generator(device="cpu").manual_seed(0)  # the same numbers on every machine
+    x0 = torch.randn(2, 7, cfg.hidden_size, generator=gen, device="cpu").to(model.device)
+    dy = torch.randn(2, 7, cfg.hidden_size, generator=gen, device="cpu").to(model.device)
 
     x = x0.clone().requires_grad_(True)
     _block(x, layer, cos, sin, cfg, model.attention_backend).backward(dy)
@@ -71,7 +85,7 @@ def test_gradients_through_a_real_block(smollm2):
     # The gain of the first norm: its gradient sums over all 14 tokens (per-program partial sums).
     w = layer.input_layernorm.weight
     h = x0.reshape(-1, cfg.hidden_size)
-    g = torch.randn(h.shape, generator=gen)
+    g = torch.randn(h.shape, generator=gen, device="cpu").to(model.device)
     wk = w.detach().clone().requires_grad_(True)
     wr = w.detach().clone().requires_grad_(True)
     rms_norm(h, wk, layer.input_layernorm.eps).backward(g)

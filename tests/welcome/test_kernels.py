@@ -1,4 +1,5 @@
-"""Module 00 kernels (vector add, row softmax) against torch, in Triton's interpreter on CPU."""
+"""Module 00 kernels (vector add, row softmax) against torch, on the kernel device: CPU tensors in
+Triton's interpreter, CUDA tensors when the kernels are compiled on a GPU."""
 
 from __future__ import annotations
 
@@ -10,13 +11,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llmu  # noqa: F401  (sets the Triton mode before triton is imported)
+from llmu.runtime import interpreting, kernel_device
 from llmu.welcome import add, naive_softmax, softmax, stable_softmax
+
+KDEV = kernel_device()
 
 # Tolerances.
 # add: float32 and float16 sums are formed in float32 and rounded once, which is exactly what
 # torch does, so they must match bit for bit. Triton's CPU interpreter converts float32 to
 # bfloat16 by truncation instead of round-to-nearest, so a bfloat16 sum may be off the exact
 # (float32) sum by up to one bf16 ulp: bf16 keeps 8 significant bits, so that is 2**-7 relative.
+# (Compiled on a GPU the conversion rounds to nearest like torch's, so the bound holds with margin.)
 # softmax: float32 is compared with 1e-6 absolute / 1e-5 relative: the kernel and torch sum the
 # exponentials in a different order (and the blocked kernel rescales partial sums), which moves
 # the result by a few float32 ulps. 16-bit outputs are compared in float32 against the float32
@@ -26,8 +31,10 @@ SOFTMAX_TOL = {torch.float32: (1e-6, 1e-5), torch.float16: (1e-3, 1e-3), torch.b
 
 
 def _randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+    # Drawn on the CPU from a seeded CPU generator (the same numbers on every machine), then moved
+    # to the kernel device.
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return (torch.randn(*shape, generator=g, device="cpu") * scale).to(dtype).to(KDEV)
 
 
 # ------------------------------------------------------------------------------------------- add
@@ -51,13 +58,24 @@ def test_add_half_precision(dtype):
         torch.testing.assert_close(out.float(), x.float() + y.float(), atol=0, rtol=2**-7)
 
 
+@pytest.mark.skipif(
+    interpreting(),
+    reason="compiled only: Triton's CPU interpreter converts float32 to bfloat16 by truncation "
+    "(test_add_half_precision allows for it); compiled kernels round to nearest, like torch",
+)
+def test_add_bf16_is_exact_when_compiled():
+    # The kernel adds in float32 and rounds once, as torch does: on a GPU, bf16 matches bit for bit.
+    x, y = _randn(100_003, dtype=torch.bfloat16, seed=1), _randn(100_003, dtype=torch.bfloat16, seed=2)
+    assert torch.equal(add(x, y), x + y)
+
+
 def test_add_keeps_shape_of_contiguous_nd_tensors():
     x, y = _randn(3, 5, 7, seed=1), _randn(3, 5, 7, seed=2)
     assert torch.equal(add(x, y, block_size=32), x + y)
 
 
 def test_add_empty():
-    x = torch.empty(0)
+    x = torch.empty(0, device=KDEV)
     assert add(x, x).shape == (0,)
 
 
@@ -65,7 +83,7 @@ def test_add_does_not_write_past_the_end():
     # The output is a view into a larger buffer; the masked tail must leave the rest untouched.
     n, block = 1000, 256
     x, y = _randn(n, seed=1), _randn(n, seed=2)
-    buf = torch.full((n + 50,), 123.0)
+    buf = torch.full((n + 50,), 123.0, device=KDEV)
     # add allocates its own output, so check through the kernel directly.
     from llmu.welcome.kernels import _add_kernel
 
@@ -81,18 +99,20 @@ def test_add_random_sizes(n, log_block):
     assert torch.equal(add(x, y, block_size=2**log_block), x + y)
 
 
-def test_add_bad_inputs():
-    x = torch.randn(8)
+def test_add_bad_inputs(kdev, off_device):
+    x = torch.randn(8, device=kdev)
     with pytest.raises(ValueError, match="y must have the shape"):
-        add(x, torch.randn(9))
+        add(x, torch.randn(9, device=kdev))
     with pytest.raises(TypeError, match="y has dtype"):
-        add(x, torch.randn(8, dtype=torch.float16))
+        add(x, torch.randn(8, dtype=torch.float16, device=kdev))
     with pytest.raises(TypeError, match="x must have dtype"):
-        add(torch.arange(8), torch.arange(8))
+        add(torch.arange(8, device=kdev), torch.arange(8, device=kdev))
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
         add([1.0] * 8, x)
     with pytest.raises(ValueError, match="x must be contiguous"):
-        add(torch.randn(4, 4).t(), torch.randn(4, 4))
+        add(torch.randn(4, 4, device=kdev).t(), torch.randn(4, 4, device=kdev))
+    with pytest.raises(ValueError, match=f"y must be on {kdev.type}, got {off_device.type}"):
+        add(x, torch.randn(8, device=off_device))
     with pytest.raises(ValueError, match="block_size must be a power of two"):
         add(x, x, block_size=100)
     with pytest.raises(ValueError, match="block_size must be positive"):
@@ -147,19 +167,19 @@ def test_softmax_rows_sum_to_one_and_handle_minus_inf():
     x[0, :4500] = -float("inf")  # the first blocks of this row are entirely -inf
     x[1, 10:] = -float("inf")
     out = softmax(x, block_size=1024)
-    torch.testing.assert_close(out.sum(-1), torch.ones(4), atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.sum(-1), torch.ones(4, device=KDEV), atol=1e-5, rtol=0)
     torch.testing.assert_close(out, torch.softmax(x, -1), atol=1e-6, rtol=1e-5)
     assert torch.all(out[0, :4500] == 0)
 
 
 def test_softmax_all_minus_inf_row_is_nan_like_torch():
-    x = torch.full((2, 10), -float("inf"))
+    x = torch.full((2, 10), -float("inf"), device=KDEV)
     x[1] = 0.0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # numpy reports 0/0 in the interpreter
         out = softmax(x)
     assert torch.isnan(out[0]).all() and torch.isnan(torch.softmax(x, -1)[0]).all()
-    torch.testing.assert_close(out[1], torch.full((10,), 0.1))
+    torch.testing.assert_close(out[1], torch.full((10,), 0.1, device=KDEV))
 
 
 def test_softmax_strided_rows():
@@ -181,12 +201,14 @@ def test_softmax_random_shapes(m, n, scale):
     torch.testing.assert_close(softmax(x), torch.softmax(x, -1), atol=1e-6, rtol=1e-5)
 
 
-def test_softmax_bad_inputs():
+def test_softmax_bad_inputs(kdev, off_device):
     with pytest.raises(ValueError, match="x must have 1 or 2 dimensions"):
-        softmax(torch.randn(2, 3, 4))
+        softmax(torch.randn(2, 3, 4, device=kdev))
     with pytest.raises(TypeError, match="x must have dtype"):
-        softmax(torch.ones(3, 4, dtype=torch.float64))
+        softmax(torch.ones(3, 4, dtype=torch.float64, device=kdev))
     with pytest.raises(ValueError, match="x must be contiguous in its last dimension"):
-        softmax(torch.randn(8, 8).t())
+        softmax(torch.randn(8, 8, device=kdev).t())
     with pytest.raises(ValueError, match="block_size must be a power of two"):
-        softmax(torch.randn(2, 8), block_size=48)
+        softmax(torch.randn(2, 8, device=kdev), block_size=48)
+    with pytest.raises(ValueError, match=f"x must be on {kdev.type}, got {off_device.type}"):
+        softmax(torch.randn(2, 8, device=off_device))
