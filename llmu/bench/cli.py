@@ -13,7 +13,7 @@ from llmu.bench.runner import TRITON_ON_CPU
 
 # (header, width, right-aligned) of the printed table.
 _COLUMNS = [
-    ("entry", 22, False), ("provider", 26, False), ("size", 34, False), ("dtype", 9, False),
+    ("entry", 22, False), ("provider", 32, False), ("size", 34, False), ("dtype", 9, False),
     ("ms", 10, True), ("p20..p80 ms", 21, True), ("TFLOP/s", 9, True), ("GB/s", 9, True),
     ("peak", 9, True), ("", 0, False),
 ]
@@ -39,13 +39,17 @@ def _cells(row: dict) -> list[str]:
             peak = f"{100 * f:.0f}% {tag}"
         timing = [_num(row["ms"]), spread, _num(row.get("tflops"), 3), _num(row.get("gbs"), 4), peak]
         note = row.get("reason") or ""
+        if row.get("tokens_per_s") is not None:  # whole-model entries: ms is per token
+            note = f"{row['tokens_per_s']:.1f} tokens/s" + (f"; {note}" if note else "")
     else:
         timing = ["", "", "", "", ""]
         reason = row.get("reason") or ""
         if reason == TRITON_ON_CPU:
             reason = "Triton kernels are timed on a GPU only (interpreter here)"
         note = f"{row.get('status', '?')}: {reason}"
-    provider = row.get("provider") or "-"
+    # A label says more than the provider name when one provider gives several rows per size
+    # ("llmu prefill", "llmu decode").
+    provider = row.get("label") or row.get("provider") or "-"
     if row.get("kind"):
         provider = f"{provider} [{row['kind']}]"
     return [row.get("entry") or "", provider, row.get("size_label") or "", row.get("dtype") or "",
