@@ -548,6 +548,15 @@ def autograde(assignment: str, submissions: Mapping[str, object], *, source=None
 # ---------------------------------------------------------------------------------------------
 
 
+def cells_by_grade_id(path) -> dict[str, str]:
+    """The source of every nbgrader cell of a notebook, keyed by its grade_id.
+
+    Unit tests use it to run a notebook's exercise and test cells in-process, without a kernel.
+    """
+    nb = json.loads(Path(path).read_text())
+    return {nbgrader_meta(c)["grade_id"]: "".join(c["source"]) for c in nb["cells"] if nbgrader_meta(c).get("grade_id")}
+
+
 def nbgrader_meta(cell) -> dict:
     return dict(cell.get("metadata", {}).get("nbgrader", {}))
 
