@@ -69,7 +69,7 @@ class Entry:
 REGISTRY: dict[str, Entry] = {}
 
 # Topic packages that register benchmark entries, in course order.
-TOPICS = ["welcome", "embeddings", "attention", "layers", "models", "roofline", "kvcache", "gqa"]
+TOPICS = ["welcome", "embeddings", "attention", "layers", "models", "roofline", "kvcache", "gqa", "flash"]
 
 
 def register(entry: Entry) -> Entry:

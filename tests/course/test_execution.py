@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import warnings
 from datetime import datetime
@@ -70,9 +71,11 @@ def _cell_seconds(cell) -> float | None:
 
 
 def _peak_rss_mb(nb) -> float:
-    for o in nb.cells[-1].get("outputs", []):
-        if o.get("output_type") == "stream" and "LLMU_PEAK_RSS_MB" in o.get("text", ""):
-            return float(o["text"].split()[-1])
+    # The kernel may deliver one print() as several stream chunks: join them before reading.
+    text = "".join(o.get("text", "") for o in nb.cells[-1].get("outputs", []) if o.get("output_type") == "stream")
+    found = re.search(r"LLMU_PEAK_RSS_MB\s+([0-9.]+)", text)
+    if found:
+        return float(found.group(1))
     raise AssertionError(f"the memory probe printed nothing: {nb.cells[-1].get('outputs')}")
 
 
