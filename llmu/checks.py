@@ -89,3 +89,40 @@ def require_power_of_two(name: str, value: int) -> int:
     if value & (value - 1):
         raise ValueError(f"{name} must be a power of two, got {value}")
     return value
+
+
+def require_attention_inputs(q, k, v, *, causal: bool = False) -> tuple[int, int, int, int, int, int]:
+    """Check ``q`` ``(B, H, Tq, D)`` and ``k``, ``v`` ``(B, Hkv, Tk, D)`` for an attention kernel.
+
+    One float dtype and the kernel device for all three; ``k`` and ``v`` of one shape; batch and
+    head_dim shared with ``q``; ``H`` a multiple of ``Hkv`` (grouped-query attention); at least one
+    key; and, when ``causal``, no more queries than keys (queries are the last ``Tq`` positions).
+    Returns ``(B, H, Hkv, Tq, Tk, D)``. Limits of a particular kernel (head dims it supports,
+    offsets) are checked by that kernel's launcher.
+    """
+    require_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
+    require_tensor("k", k, ndim=4, dtypes=FLOAT_DTYPES)
+    require_tensor("v", v, ndim=4, dtypes=FLOAT_DTYPES)
+    require_same_dtype(q=q, k=k, v=v)
+    require_same_device(q=q, k=k, v=v)
+    b, h, tq, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[0] != b:
+        raise ValueError(f"k has batch size {k.shape[0]} but q has {b}")
+    if k.shape[3] != d:
+        raise ValueError(f"k has head_dim {k.shape[3]} but q has {d}; q, k, v must share head_dim")
+    if d == 0:
+        raise ValueError("head_dim must be positive, got 0")
+    hkv, tk = k.shape[1], k.shape[2]
+    if hkv == 0 or h % hkv:
+        raise ValueError(f"q has {h} heads, which must be a multiple of the number of KV heads ({hkv}) in k "
+                         "(grouped-query attention)")
+    if tk == 0 and tq > 0:
+        raise ValueError("kv_len must be positive: a query cannot attend to zero keys")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if causal and tq > tk:
+        raise ValueError(f"causal attention needs q_len <= kv_len (queries are the last q_len positions), "
+                         f"got q_len={tq}, kv_len={tk}")
+    return b, h, hkv, tq, tk, d

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from llmu import runtime
-from llmu.checks import FLOAT_DTYPES, require_positive, require_same_device, require_same_dtype, require_tensor
+from llmu.checks import FLOAT_DTYPES, require_attention_inputs, require_positive, require_tensor
 
 __all__ = ["softmax", "attention", "SOFTMAX_ONE_BLOCK_MAX"]
 
@@ -290,32 +290,7 @@ def attention(
     The kernel writes a float32 score matrix of ``B*H*Tq*Tk`` elements to memory (that is what
     makes it naive): ``B=1, H=32, Tq=Tk=8192`` already needs 8 GiB for it.
     """
-    require_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
-    require_tensor("k", k, ndim=4, dtypes=FLOAT_DTYPES)
-    require_tensor("v", v, ndim=4, dtypes=FLOAT_DTYPES)
-    require_same_dtype(q=q, k=k, v=v)
-    require_same_device(q=q, k=k, v=v)
-    b, h, tq, d = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    if k.shape[0] != b:
-        raise ValueError(f"k has batch size {k.shape[0]} but q has {b}")
-    if k.shape[3] != d:
-        raise ValueError(f"k has head_dim {k.shape[3]} but q has {d}; q, k, v must share head_dim")
-    hkv, tk = k.shape[1], k.shape[2]
-    if hkv == 0 or h % hkv:
-        raise ValueError(
-            f"the number of query heads ({h}) must be a multiple of the number of KV heads ({hkv}) "
-            "for grouped-query attention"
-        )
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
-    if causal and tq > tk:
-        raise ValueError(
-            f"causal attention needs q_len <= kv_len (queries are the last q_len positions), got q_len={tq}, kv_len={tk}"
-        )
-    if d == 0:
-        raise ValueError("head_dim must be positive, got 0")
+    b, h, hkv, tq, tk, d = require_attention_inputs(q, k, v, causal=causal)
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     else:

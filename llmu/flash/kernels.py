@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from llmu import runtime
-from llmu.checks import FLOAT_DTYPES, require_same_device, require_same_dtype, require_tensor
+from llmu.checks import require_attention_inputs, require_tensor
 
 __all__ = ["flash_attention", "flash_attention_forward", "flash_attention_backward",
            "FlashAttentionFunction", "HEAD_DIMS", "default_blocks"]
@@ -340,28 +340,11 @@ def _bwd_dq_kernel(
 
 
 def _validate(q, k, v, causal, scale):
-    require_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
-    require_tensor("k", k, ndim=4, dtypes=FLOAT_DTYPES)
-    require_tensor("v", v, ndim=4, dtypes=FLOAT_DTYPES)
-    require_same_dtype(q=q, k=k, v=v)
-    require_same_device(q=q, k=k, v=v)
-    b, h, tq, d = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape[0] != b:
-        raise ValueError(f"k: batch {k.shape[0]} does not match q's batch {b}")
-    if k.shape[3] != d:
-        raise ValueError(f"k: head_dim {k.shape[3]} does not match q's head_dim {d}")
+    b, h, hkv, tq, tk, d = require_attention_inputs(q, k, v, causal=causal)
     if d not in HEAD_DIMS:
         raise ValueError(f"q: head_dim must be one of {HEAD_DIMS}, got {d}")
-    hkv = k.shape[1]
-    if hkv < 1 or h % hkv:
-        raise ValueError(f"q has {h} heads, which must be a multiple of k's {hkv} KV heads (grouped-query attention)")
-    if k.shape[2] < 1:
-        raise ValueError(f"k: kv_len must be >= 1, got {k.shape[2]}")
-    if causal and tq > k.shape[2]:
-        raise ValueError(f"causal attention needs q_len <= kv_len (queries are the last q_len positions), "
-                         f"got q_len={tq}, kv_len={k.shape[2]}")
+    if tk < 1:
+        raise ValueError(f"k: kv_len must be >= 1, got {tk}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
         raise ValueError(f"scale must be a finite number or None, got {scale!r}")
 
