@@ -25,7 +25,7 @@ import triton.language as tl
 
 from llmu import runtime
 from llmu.checks import FLOAT_DTYPES, require_positive, require_power_of_two, require_same_dtype, require_tensor
-from llmu.embeddings.reference import DEFAULT_EPS, _check_k, exclusion_mask
+from llmu.embeddings.reference import DEFAULT_EPS, _check_k, top_k_of
 
 __all__ = ["cosine_similarity", "top_k_neighbours", "default_blocks"]
 
@@ -158,6 +158,4 @@ def top_k_neighbours(
     """
     require_tensor("table", table, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     _check_k(k, table.shape[0], exclude is not None)
-    scores = exclusion_mask(cosine_similarity(queries, table, eps).float(), exclude)
-    top = torch.topk(scores, k, dim=1, largest=True, sorted=True)
-    return top.values, top.indices
+    return top_k_of(cosine_similarity(queries, table, eps), k, exclude)

@@ -90,9 +90,13 @@ def top_k_neighbours(
     """
     _check_rows("table", table)
     _check_k(k, table.shape[0], exclude is not None)
-    scores = cosine_similarity_matrix(queries, table, eps=eps).float()
-    scores = exclusion_mask(scores, exclude)
-    top = torch.topk(scores, k, dim=1, largest=True, sorted=True)
+    return top_k_of(cosine_similarity_matrix(queries, table, eps=eps), k, exclude)
+
+
+def top_k_of(scores: torch.Tensor, k: int, exclude: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest entries of each row of a (Q, V) similarity matrix, as float32
+    ``(scores, indices)`` sorted from most to least similar, after leaving out ``exclude``."""
+    top = torch.topk(exclusion_mask(scores.float(), exclude), k, dim=1, largest=True, sorted=True)
     return top.values, top.indices
 
 
