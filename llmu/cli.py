@@ -374,7 +374,33 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout", type=int, default=60, help="per-cell time limit in seconds (default 60)")
 
     sub.add_parser("bench", help="run benchmarks (llmu bench --help for its options)", add_help=False)
+
+    c = sub.add_parser("chat", help="chat with the course's model in the terminal (streaming, with tokens/s)")
+    c.add_argument("--system", default=None, help="a system prompt")
+    c.add_argument("--max-tokens", type=int, default=256, help="new tokens per reply at most (default 256)")
+    c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    c.add_argument("--top-p", type=float, default=1.0)
+    c.add_argument("--seed", type=int, default=None)
+    c.add_argument("--attention", choices=["triton", "torch", "reference"], default=None,
+                   help="paged attention implementation (default: triton on a GPU, torch on a CPU)")
     return p
+
+
+def _chat(args) -> int:
+    from llmu.engine import LLMEngine, SamplingParams
+    from llmu.engine.chat import chat
+    from llmu.models import load_model, load_tokenizer
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                seed=args.seed)
+    except ValueError as exc:
+        print(f"llmu chat: {exc}", file=sys.stderr)
+        return 2
+    print("loading the model ...", file=sys.stderr)
+    model, tokenizer = load_model(), load_tokenizer()
+    engine = LLMEngine(model, tokenizer, max_num_seqs=1, attention=args.attention)
+    return chat(model, tokenizer, system=args.system, params=params, engine=engine)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -396,6 +422,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _release(args)
     if args.command == "grade":
         return _grade(args)
+    if args.command == "chat":
+        return _chat(args)
     parser.error(f"unknown command {args.command}")  # pragma: no cover - argparse rejects it first
     return 2
 

@@ -557,6 +557,22 @@ def cells_by_grade_id(path) -> dict[str, str]:
     return {nbgrader_meta(c)["grade_id"]: "".join(c["source"]) for c in nb["cells"] if nbgrader_meta(c).get("grade_id")}
 
 
+def exec_cell(source: str, ns: dict, workdir, name: str = "cell") -> dict:
+    """Run a notebook cell's code in the namespace ``ns``, as the notebook's kernel would; return ``ns``.
+
+    Code that defines a ``@triton.jit`` kernel is compiled from a file ``workdir/name.py``: Triton
+    reads a kernel's source text back (``inspect``), which needs a file behind the function.
+    """
+    if "@triton.jit" in source:
+        path = Path(workdir) / f"{name}.py"
+        path.write_text(source, encoding="utf-8")
+        code = compile(source, str(path), "exec")
+    else:
+        code = compile(source, f"<{name}>", "exec")
+    exec(code, ns)  # noqa: S102 - the course's own notebook cells
+    return ns
+
+
 def nbgrader_meta(cell) -> dict:
     return dict(cell.get("metadata", {}).get("nbgrader", {}))
 

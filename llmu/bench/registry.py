@@ -69,7 +69,8 @@ class Entry:
 REGISTRY: dict[str, Entry] = {}
 
 # Topic packages that register benchmark entries, in course order.
-TOPICS = ["welcome", "embeddings", "attention", "layers", "models", "roofline", "kvcache", "gqa", "flash"]
+TOPICS = ["welcome", "embeddings", "attention", "layers", "models", "roofline", "kvcache", "gqa", "flash", "paged",
+          "engine"]
 
 
 def register(entry: Entry) -> Entry:

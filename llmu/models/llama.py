@@ -125,6 +125,13 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin, self.rope_layout)
         k = apply_rope(k, cos, sin, self.rope_layout)
         # 3. keys and values of the past come from the cache, this call's are added to it
+        if cache is not None and getattr(cache, "attends", False):
+            # a paged batch (module 09): the tokens belong to several sequences, each with its own
+            # past in the block pool; the batch stores k, v at their slots and attends itself
+            if return_weights:
+                raise ValueError("a paged batch cannot return attention weights")
+            out = cache.attend(self.layer_idx, q, k, v, scale=self.scale)
+            return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)), None
         if cache is not None:
             k, v = cache.append(self.layer_idx, k, v)
         # 4. attend (causal: position i sees positions <= i), merge the heads, project back
@@ -248,21 +255,26 @@ class LlamaModel(nn.Module):
         need = start + length
         cos, sin = self._rope
         if cos is None or cos.shape[0] < need or cos.device != self.device:
-            n = max(need, min(self.config.max_position_embeddings, 4096))
-            positions = torch.arange(n, device=self.device)
-            c = self.config
-            if c.rope_scaling and c.rope_scaling.get("rope_type", c.rope_scaling.get("type")) == "llama3":
-                angles = positions.double()[:, None] * llama3_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
-                cos, sin = angles.cos().float(), angles.sin().float()
-            else:
-                cos, sin = rope_angles(positions, c.head_dim, c.rope_theta)
-            self._rope = (cos, sin)
+            self._rope = self._compute_rope(max(need, min(self.config.max_position_embeddings, 4096)))
+            cos, sin = self._rope
         return cos[start:need], sin[start:need]
+
+    @torch.inference_mode(False)
+    def _compute_rope(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # outside inference mode even when called inside it: the tables are kept for later calls,
+        # and an inference-mode tensor would break a later forward pass that needs gradients
+        positions = torch.arange(n, device=self.device)
+        c = self.config
+        if c.rope_scaling and c.rope_scaling.get("rope_type", c.rope_scaling.get("type")) == "llama3":
+            angles = positions.double()[:, None] * llama3_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+            return angles.cos().float(), angles.sin().float()
+        return rope_angles(positions, c.head_dim, c.rope_theta)
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, *, cache: KVCache | None = None, position: int | None = None,
                 output_hidden_states: bool = False, output_attentions: bool = False,
-                last_only: bool = False) -> ModelOutput:
+                last_only: bool = False, positions: torch.Tensor | None = None,
+                logits_at: torch.Tensor | None = None) -> ModelOutput:
         """Logits for every position of ``input_ids`` (``(B, T)`` int64; a 1-D tensor or a list is
         taken as one sequence).
 
@@ -272,6 +284,11 @@ class LlamaModel(nn.Module):
         generation needs; the vocabulary projection is the single largest matmul of this model).
         ``output_attentions`` needs weights from the backend: with one that cannot return them
         (``"sdpa"``) this call uses ``"naive"``.
+
+        Serving (module 09) packs the new tokens of many sequences into one row: ``positions``
+        (``(T,)`` ints) gives each token its own position, ``cache`` is then a paged batch
+        (``llmu.paged.PagedBatch``) that knows which sequence each token belongs to, and
+        ``logits_at`` (``(K,)`` indices into the T tokens) picks the tokens whose logits are needed.
         """
         if not isinstance(input_ids, torch.Tensor):
             input_ids = torch.tensor(input_ids, dtype=torch.long)
@@ -285,11 +302,28 @@ class LlamaModel(nn.Module):
             raise ValueError("input_ids is empty")
         input_ids = input_ids.to(self.device)
         t = input_ids.shape[1]
-        if position is None:
-            position = cache.length if cache is not None else 0
-        elif cache is not None and position != cache.length:
-            raise ValueError(f"position ({position}) must equal cache.length ({cache.length}) when a cache is used")
-        cos, sin = self.rope_tables(position, t)
+        paged = cache is not None and getattr(cache, "attends", False)
+        if positions is not None:
+            if position is not None:
+                raise ValueError("pass either position (of the first token) or positions (of every token), not both")
+            positions = torch.as_tensor(positions).to(self.device)
+            if positions.shape != (t,) or positions.is_floating_point():
+                raise ValueError(f"positions must be {t} integers (one per token), got {tuple(positions.shape)} "
+                                 f"{positions.dtype}")
+            if int(positions.min()) < 0:
+                raise ValueError("positions must be >= 0")
+            cos, sin = self.rope_tables(0, int(positions.max()) + 1)
+            cos, sin = cos[positions], sin[positions]
+        elif paged:
+            raise ValueError("a paged batch needs positions= (the position of every packed token)")
+        else:
+            if position is None:
+                position = cache.length if cache is not None else 0
+            elif cache is not None and position != cache.length:
+                raise ValueError(f"position ({position}) must equal cache.length ({cache.length}) when a cache is used")
+            cos, sin = self.rope_tables(position, t)
+        if logits_at is not None and (last_only or output_hidden_states):
+            raise ValueError("logits_at cannot be combined with last_only or output_hidden_states")
         backend = self.attention_backend
         if output_attentions and not backend.returns_weights:
             backend = get_attention_backend("naive")
@@ -311,6 +345,8 @@ class LlamaModel(nn.Module):
         else:
             if last_only:
                 x = x[:, -1:]  # normalise and project only the position whose logits are wanted
+            elif logits_at is not None:
+                x = x[:, torch.as_tensor(logits_at, device=x.device)]
             x = self.norm(x)
         logits = self.lm_head(x)
         return ModelOutput(
@@ -331,3 +367,22 @@ class LlamaModel(nn.Module):
 
     def extra_repr(self) -> str:
         return f"attention={self.attention!r}, rope_layout={self.config.rope_layout!r}"
+
+
+#: The configuration of :func:`tiny_llama`: two layers, six query heads sharing two KV heads.
+TINY_CONFIG = dict(vocab_size=97, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
+                   num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=False)
+
+
+def tiny_llama(seed: int = 0, *, scale: float = 0.2, **overrides) -> LlamaModel:
+    """A small decoder with random weights (seeded), in eval mode: for tests and quick experiments.
+
+    Weights are ``N(0, scale^2)``, norm gains ``1 + N(0, scale^2)``. ``overrides`` change fields of
+    :data:`TINY_CONFIG` (any ``LlamaConfig`` field, such as ``head_dim=16`` or ``eos_token_id=96``).
+    """
+    model = LlamaModel(LlamaConfig(**{**TINY_CONFIG, **overrides}))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * scale + (1.0 if p.ndim == 1 else 0.0))
+    return model.eval()

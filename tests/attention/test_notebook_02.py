@@ -11,7 +11,6 @@ exercise kernel gets tensors it can read.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -44,16 +43,8 @@ def _namespace(cells):
 
 
 def _define(ns, source, tmp_path, name):
-    """Define a solution: Triton needs a kernel's source in a file, so kernels go through a module."""
-    if "@triton.jit" in source:
-        path = tmp_path / f"{name}.py"
-        path.write_text("import torch, triton\nimport triton.language as tl\n" + source)
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        ns["softmax_t_kernel"] = module.softmax_t_kernel
-    else:
-        exec(source, ns)  # noqa: S102
+    """Define a solution cell's names in ``ns`` (kernels are compiled from a file: Triton needs one)."""
+    course.exec_cell(source, ns, tmp_path, name)
 
 
 def _run_test(ns, source):

@@ -7,9 +7,9 @@ import torch
 
 import llmu  # noqa: F401
 from llmu.attention.reference import attention as reference_attention
-from llmu.models import KVCache, LlamaConfig, LlamaModel, load_model, register_attention_backend
+from llmu.models import KVCache, LlamaModel, load_model, register_attention_backend
 from llmu.models.backends import attention_backends, sdpa_attention
-from llmu.models.llama import Linear
+from llmu.models.llama import Linear, tiny_llama
 from llmu.models.loading import build_from_gguf, permute_rope_rows, unpermute_rope_rows
 
 PROMPT = "The quick brown fox jumps over the lazy dog. In 2024, the capital of France"
@@ -23,15 +23,7 @@ def ids(smollm2):
 
 def tiny_model(seed=0, **overrides) -> LlamaModel:
     """A random 2-layer model: fast enough for exhaustive checks."""
-    cfg = dict(vocab_size=97, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
-               num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=False)
-    cfg.update(overrides)
-    model = LlamaModel(LlamaConfig(**cfg))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.2 + (1.0 if p.ndim == 1 else 0.0))
-    return model.eval()
+    return tiny_llama(seed, **overrides)
 
 
 # -- KV cache ---------------------------------------------------------------------------------
@@ -269,3 +261,15 @@ def test_bfloat16_model(smollm2, ids):
     # bfloat16 keeps 8 bits of mantissa: logits move by a few tenths, the top token stays
     assert (a - b).abs().max() < 2.0
     assert a.argmax(-1).item() == b.argmax(-1).item()
+
+
+def test_rope_tables_made_in_inference_mode_still_allow_gradients():
+    """The first forward pass may come from generation (inference mode); the tables it caches
+    must still work in a later pass that trains."""
+    model = tiny_model()
+    with torch.inference_mode():
+        model(torch.tensor([[1, 2, 3]]))
+    for p in model.parameters():
+        p.requires_grad_(True)
+    model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    assert model.layers[0].self_attn.q_proj.weight.grad is not None

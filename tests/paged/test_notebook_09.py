@@ -1,0 +1,134 @@
+"""Notebook 09's graded exercises, run in-process (no kernel, no model): the instructor's solutions
+pass every test cell, hidden parts included, and typical wrong answers fail them.
+
+The whole notebook (simulation, picture, model cells, benchmark) is executed by the course-wide
+notebook tests.
+
+The cells make their tensors without naming a device and move the paged inputs to
+``kernel_device()`` themselves (``paged_inputs`` in the launcher cell); they are run with the
+kernel device as torch's default device (a no-op in the interpreter, cuda when the kernels are
+compiled), as the notebook 02 tests do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import llmu  # noqa: F401  (Triton mode first: the exercise kernel is defined below)
+from llmu import course
+from llmu.runtime import kernel_device
+
+NOTEBOOK = course.repo_root() / "solutions" / "09_paged_attention" / "09_paged_attention.ipynb"
+
+
+@pytest.fixture(scope="module")
+def cells():
+    # Cell metadata (unique grade_ids, points, markers, no outputs) is checked for every notebook
+    # in tests/course/test_notebooks.py; this file runs the exercises.
+    return course.cells_by_grade_id(NOTEBOOK)
+
+
+def _on_kernel_device():
+    dev = kernel_device()
+    return contextlib.nullcontext() if dev.type == "cpu" else torch.device(dev)
+
+
+def _namespace(cells):
+    ns: dict = {}
+    exec(cells["setup"].replace("print(environment())", ""), ns)  # noqa: S102
+    return ns
+
+
+def _define(ns, source, tmp_path, name):
+    """Define a solution cell's names in ``ns`` (kernels are compiled from a file: Triton needs one)."""
+    course.exec_cell(source, ns, tmp_path, name)
+
+
+EXERCISES = {
+    "ex1": ("ex1_solution", [], ["test_ex1_visible", "test_ex1_hidden"]),
+    "ex2": ("ex2_solution", [], ["test_ex2_visible", "test_ex2_hidden"]),
+    "ex3": ("ex3_kernel", ["ex3_launcher"], ["test_ex3_visible", "test_ex3_hidden"]),
+    "ex4": ("ex4_solution", [], ["test_ex4_visible", "test_ex4_hidden"]),
+}
+
+
+def _prepare(cells, exercise, source, tmp_path, name):
+    solution, extra, _ = EXERCISES[exercise]
+    ns = _namespace(cells)
+    _define(ns, source, tmp_path, name)
+    for cell in extra:
+        exec(cells[cell], ns)  # noqa: S102
+    return ns
+
+
+@pytest.mark.parametrize("exercise", list(EXERCISES))
+def test_solutions_pass_all_tests(exercise, cells, tmp_path):
+    solution, _, tests = EXERCISES[exercise]
+    with _on_kernel_device():
+        ns = _prepare(cells, exercise, cells[solution], tmp_path, f"sol_{exercise}")
+        for name in tests:
+            exec(cells[name], ns)  # noqa: S102  (hidden-test markers are comments: the hidden part runs too)
+
+
+WRONG = {
+    # exercise, replaced text, replacement, the test cell that must catch it
+    "ex1: blocks counted with floor": ("ex1", "need = -(-num_tokens // self.block_size)",
+                                       "need = num_tokens // self.block_size", "test_ex1_visible"),
+    "ex1: a new block every append": ("ex1", "if self.lengths[seq] % self.block_size == 0:", "if True:",
+                                      "test_ex1_visible"),
+    "ex1: fork adds no reference": ("ex1", "            self.ref_count[b] += 1\n", "            pass\n",
+                                    "test_ex1_visible"),
+    "ex1: free ignores the count": (
+        "ex1", "            if self.ref_count[b] == 0:\n                self.free_blocks.append(b)",
+        "            self.free_blocks.append(b)", "test_ex1_visible"),
+    "ex1: allocate takes blocks before checking": (
+        "ex1",
+        "        if need > len(self.free_blocks):\n"
+        "            raise NoFreeBlocks(f\"{need} blocks needed, {len(self.free_blocks)} free\")\n"
+        "        table = [self.free_blocks.pop(0) for _ in range(need)]",
+        "        table = [self.free_blocks.pop(0) for _ in range(min(need, len(self.free_blocks)))]\n"
+        "        if len(table) < need:\n"
+        "            raise NoFreeBlocks('not enough')",
+        "test_ex1_hidden"),
+    "ex1: no duplicate check": ("ex1", "        if seq in self.tables:\n            raise ValueError",
+                                "        if False:\n            raise ValueError", "test_ex1_hidden"),
+    "ex2: blocks read in pool order": ("ex2", "slots = block_tables[i, p // bs].long() * bs + p % bs", "slots = p",
+                                       "test_ex2_hidden"),
+    "ex2: query heads tiled, not grouped": ("ex2", ".repeat_interleave(h // hkv, dim=1)", ".repeat(1, h // hkv, 1)",
+                                            "test_ex2_hidden"),
+    "ex2: the padding is read": ("ex2", "p = torch.arange(int(context_lens[i]), device=q.device)",
+                                 "p = torch.arange(block_tables.shape[1] * bs, device=q.device)", "test_ex2_visible"),
+    "ex3: sum not rescaled": ("ex3", "l = l * alpha + tl.sum(p, axis=0)", "l = l + tl.sum(p, axis=0)",
+                              "test_ex3_visible"),
+    "ex3: last block not masked": ("ex3", 's = tl.where(valid, s, float("-inf"))', "s = s", "test_ex3_visible"),
+    "ex3: blocks read in pool order": ("ex3", "block = tl.load(tables_ptr + b * max_blocks + i).to(tl.int64)",
+                                       "block = (b * 0 + i).to(tl.int64)", "test_ex3_visible"),
+    "ex3: one KV head for all": ("ex3", "kvh = h // (NUM_HEADS // NUM_KV_HEADS)", "kvh = h * 0", "test_ex3_hidden"),
+    "ex4: no copy": ("ex4", "if ref_count[block] > 1:", "if False:", "test_ex4_visible"),
+    "ex4: old block keeps its reference": ("ex4", "        ref_count[block] -= 1\n", "", "test_ex4_visible"),
+    "ex4: only the new slot copied": ("ex4", "v_pool[new] = v_pool[block]", "v_pool[new] = 0", "test_ex4_visible"),
+    "ex4: copies on any write": ("ex4", "if ref_count[block] > 1:", "if ref_count[block] >= 1:", "test_ex4_hidden"),
+    "ex4: changes before raising": ("ex4", "        if not free_blocks:\n",
+                                    "        if not free_blocks:\n            ref_count[block] -= 1\n",
+                                    "test_ex4_hidden"),
+}
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # nan and inf in the interpreter's numpy
+@pytest.mark.parametrize("case", list(WRONG))
+def test_wrong_answers_fail(case, cells, tmp_path):
+    exercise, old, new, test_cell = WRONG[case]
+    solution, _, tests = EXERCISES[exercise]
+    assert old in cells[solution], f"{case}: the solution no longer contains {old!r}"
+    with _on_kernel_device():
+        ns = _prepare(cells, exercise, cells[solution].replace(old, new), tmp_path,
+                      f"wrong_{exercise}_{abs(hash(case))}")
+        for name in tests[: tests.index(test_cell)]:  # the cells before it pass or fail on their own
+            with contextlib.suppress(AssertionError):
+                exec(cells[name], ns)  # noqa: S102
+        with pytest.raises(AssertionError):
+            exec(cells[test_cell], ns)  # noqa: S102
+
