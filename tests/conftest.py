@@ -8,6 +8,8 @@ the same tests run on a laptop and on a GPU machine.
 data-less device) in the interpreter, ``cpu`` on a GPU machine. The launchers' message names the
 kernel device ("x must be on cuda, got cpu"), so a test matches ``f"must be on {kdev.type}"``.
 
+Hypothesis: under ``CI=true`` the property tests use fixed draws (the "ci" profile).
+
 ``smollm2``: the course's real model and its tokenizer, loaded once per test session (float32,
 CPU, the default "sdpa" attention). ``llmu.models.load_model`` caches the instance, so tests and
 notebooks executed in this process share it: tests must not modify its weights in place (use
@@ -16,8 +18,17 @@ notebooks executed in this process share it: tests must not modify its weights i
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from hypothesis import settings
+
+# Property tests draw new random cases on every run, which is how they find bugs on a laptop. In
+# CI (CI=true) the draws are fixed instead, so a result depends only on the code under test.
+settings.register_profile("ci", derandomize=True, database=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 @pytest.fixture(scope="session")

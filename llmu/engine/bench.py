@@ -107,7 +107,7 @@ def measure_serving(model, *, requests: int = 32, new: int = 32, new_min: int | 
         from llmu.models.bench import to_transformers
 
         hf = to_transformers(model)
-        _sequential_transformers(hf, prompts[:1], 2)
+        _sequential_transformers(hf, prompts[:1], [2])
         results["transformers sequential"] = _sequential_transformers(hf, prompts[:sequential], news)
         del hf
     results["llmu sequential"] = _sequential_llmu(model, prompts[:sequential], news)
@@ -155,8 +155,8 @@ SERVING = register(
         run=_run,
         gpu_sizes=[{"requests": 256, "new": 128, "new_min": 16, "prompt_max": 1024, "max_model_len": 2048, "kv_seqs": 64,
                     "batch": 32, "sequential": 4, "shared_prefix": 256}],
-        cpu_sizes=[{"requests": 32, "new": 32, "new_min": 8, "prompt_max": 256, "max_model_len": 512, "kv_seqs": 8,
-                    "batch": 8, "sequential": 8, "shared_prefix": 64}],
+        cpu_sizes=[{"requests": 32, "new": 64, "new_min": 16, "prompt_max": 128, "max_model_len": 256,
+                    "kv_seqs": 16, "batch": 8, "sequential": 8, "shared_prefix": 32}],
         x_axis="requests",
     )
 )

@@ -4,7 +4,8 @@ Each turn appends the user's message to the conversation, formats it with the mo
 template and hands it to :class:`llmu.engine.LLMEngine` as one request; the reply streams as it
 is generated, followed by a line with the numbers: prompt tokens (and how many the prefix cache
 supplied — the earlier turns are the same tokens as last time), new tokens, time to first token
-and decode tokens/s. Commands: ``/reset`` forgets the conversation, ``/exit`` (or end of input) quits.
+and decode tokens/s. Commands: ``/reset`` forgets the conversation, ``/exit`` (or end of input)
+quits; Ctrl-C stops a reply that is being generated.
 """
 
 from __future__ import annotations
@@ -66,7 +67,10 @@ def chat(model, tokenizer, *, system: str | None = None, params: SamplingParams 
         if interactive:
             out.write("\nyou> ")
             out.flush()
-        line = inp.readline()
+        try:
+            line = inp.readline()
+        except KeyboardInterrupt:
+            break
         if not line:
             break
         text = line.strip()
@@ -86,6 +90,12 @@ def chat(model, tokenizer, *, system: str | None = None, params: SamplingParams 
         except ValueError as exc:  # the conversation no longer fits the context: say so, keep going
             messages.pop()
             out.write(f"\n[{exc}; /reset to start a new conversation]\n")
+            continue
+        except KeyboardInterrupt:  # Ctrl-C stops the reply, not the chat
+            for rid in list(engine.unfinished_requests()):
+                engine.abort(rid)
+            messages.pop()
+            out.write("\n[interrupted]\n")
             continue
         messages.append({"role": "assistant", "content": reply})
         out.write(f"\n[{numbers['prompt_tokens']} prompt tokens ({numbers['cached_tokens']} from the prefix cache), "

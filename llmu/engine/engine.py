@@ -214,6 +214,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def unfinished_requests(self) -> list[int]:
+        """Ids of the requests that still have a sample running or waiting."""
+        return [rid for rid, req in self._requests.items() if not all(s.is_finished for s in req.seqs)]
+
     def abort(self, request_id: int) -> None:
         """Stop a request now (its samples finish with reason ``"abort"``)."""
         req = self._requests.get(request_id)

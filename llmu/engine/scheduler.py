@@ -2,8 +2,9 @@
 
 *Continuous* (iteration-level) batching decides again at every step, so a request joins the
 running batch as soon as there is room and leaves it the moment it finishes. *Static* batching
-(``policy="static"``) forms a batch and lets nobody join until every member has finished: the
-batch shrinks as short requests end, and the slots they leave stay idle.
+(``policy="static"``) forms a batch (up to ``max_num_seqs`` requests, or as many as the memory
+holds) and lets nobody join until every member has finished: the batch shrinks as short requests
+end, and the slots they leave stay idle.
 
 One step has a *token budget* (``max_num_batched_tokens``), the number of positions one forward
 pass computes. The scheduler fills it in this order:
@@ -85,6 +86,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._batch_open = True  # static batching: the batch is still being formed
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -134,9 +136,14 @@ class Scheduler:
             batch.entries.append((seq, n))
             budget -= n
             i += 1
-        # 2. waiting sequences, first come first served
-        if batch.preempted or (cfg.policy == "static" and self.running):
+        # 2. waiting sequences, first come first served. Static batching admits only while its
+        #    batch is being formed: from the step the previous batch is gone until the batch is
+        #    full (max_num_seqs, or the memory), over several steps if the prompts need them
+        if cfg.policy == "static" and not self.running:
+            self._batch_open = True
+        if batch.preempted or (cfg.policy == "static" and not self._batch_open):
             return batch
+        memory_full = False
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
             if not cfg.chunked_prefill and seq.num_tokens > budget:
@@ -145,6 +152,7 @@ class Scheduler:
             # one spare block: a prompt the prefix cache holds entirely still recomputes its last
             # position, and the block it falls in is shared, so it is copied first
             if bm.blocks_needed(seq.token_ids, extra) + 1 > bm.num_free_blocks:
+                memory_full = True
                 break
             cached = bm.allocate(seq.seq_id, seq.token_ids, extra)
             seq.num_computed = cached
@@ -158,6 +166,8 @@ class Scheduler:
             self.running.append(seq)
             batch.entries.append((seq, n))
             budget -= n
+        if memory_full or len(self.running) >= cfg.max_num_seqs or not self.waiting:
+            self._batch_open = False  # (static batching) the batch is formed: nobody joins it now
         return batch
 
     def computed(self, batch: ScheduledBatch) -> None:

@@ -11,8 +11,10 @@ with ``q`` of shape ``(B, H, Tq, D)``, ``k``/``v`` of shape ``(B, Hkv, Tk, D)`` 
 - ``"naive"``: llmu's reference; materialises the ``(Tq, Tk)`` score matrix and can return it;
 - ``"sdpa"``: ``torch.nn.functional.scaled_dot_product_attention``, PyTorch's fused kernels.
 
-Later modules register theirs (``"flash"``, ``"paged"``) with :func:`register_attention_backend`
-and switch a model to them with ``model.set_attention("flash")``.
+Later modules register theirs (``"flash"``) with :func:`register_attention_backend` and switch a
+model to them with ``model.set_attention("flash")``. Paged attention (module 09) is not a backend:
+it needs to know which sequence each packed token belongs to, so the paged batch passed as the
+model's ``cache`` does it (``llmu.paged.PagedBatch.attend``).
 """
 
 from __future__ import annotations

@@ -12,10 +12,13 @@ Module names follow Hugging Face's ``LlamaForCausalLM`` (``layers[i].self_attn.q
 ``layers[i].mlp.gate_proj``, ``layers[i].input_layernorm``, ...), so a learner can rebuild a block
 by hand from the same weights and compare. Three parts are pluggable:
 
-- attention: a named backend (``"naive"``, ``"sdpa"``, later ``"flash"``, ``"paged"``), see
-  ``llmu.models.backends``; switch with ``model.set_attention(name)``;
+- attention: a named backend (``"naive"``, ``"sdpa"``, ``"flash"`` once ``llmu.flash`` is
+  imported), see ``llmu.models.backends``; switch with ``model.set_attention(name)``;
 - KV cache: ``model(ids, cache=KVCache.for_model(model))`` stores keys and values as it goes, and
-  the next call continues at position ``cache.length``;
+  the next call continues at position ``cache.length``. A paged cache (module 09) serves many
+  sequences at once: ``model(ids, positions=..., cache=paged_batch, logits_at=...)`` takes their
+  new tokens packed in one row, and the batch stores keys and values in its blocks and attends
+  through the block tables itself (``llmu.paged.PagedBatch``);
 - weight format: every projection is a :class:`Linear`; ``model.replace_linears(fn)`` swaps them
   (for a quantized format, say) without touching the rest.
 """

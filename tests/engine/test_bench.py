@@ -39,3 +39,13 @@ def test_workload_is_deterministic_and_checked():
     assert all(p[:4] == a[0][:4] and 7 <= len(p) <= 13 for p in a)
     with pytest.raises(ValueError, match="prompt_min"):
         bench.serving_workload(1000, 5, 10, 9)
+
+
+def test_transformers_row_is_the_baseline(smollm2):
+    pytest.importorskip("transformers")
+    model, _ = smollm2
+    res = bench.measure_serving(model, requests=2, new=3, new_min=2, prompt_min=4, prompt_max=8, batch=2, kv_seqs=1,
+                                max_model_len=32, sequential=2, transformers=True)
+    assert list(res)[0] == "transformers sequential"
+    assert res["transformers sequential"]["speedup"] == pytest.approx(1.0)
+    assert res["transformers sequential"]["tokens"] == res["llmu sequential"]["tokens"]

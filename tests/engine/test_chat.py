@@ -47,3 +47,23 @@ def test_llmu_chat_rejects_bad_options():
     proc = subprocess.run([sys.executable, "-m", "llmu.cli", "chat", "--temperature", "-1"],
                           input="", capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "temperature" in proc.stderr
+
+
+def test_ctrl_c_stops_the_reply_not_the_chat(smollm2):
+    model, tok = smollm2
+    engine = LLMEngine(model, tok, num_blocks=64, max_num_seqs=1)
+    real_step, calls = engine.step, {"n": 0}
+
+    def step():  # the user presses Ctrl-C during the third step of the first reply
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real_step()
+
+    engine.step = step
+    out = io.StringIO()
+    chat(model, tok, params=SamplingParams(max_tokens=8), inp=io.StringIO("Hi\nWhat is 2+2?\n"), out=out,
+         engine=engine)
+    text = out.getvalue()
+    assert "[interrupted]" in text and text.count("tokens/s") == 1, "the second message should still get a reply"
+    assert not engine.has_unfinished() and engine.block_manager.num_used_blocks == 0

@@ -248,3 +248,21 @@ def test_stop_strings_and_streaming_on_smollm2(smollm2):
     assert "2." in full and cut == full[: full.index("2.")], "a stop string cuts the text just before it"
     assert pieces[1][-1].finished and pieces[1][-1].finish_reason == "stop"
     assert engine.output(0).text == full
+
+
+def test_static_batching_fills_its_batch_across_steps():
+    """A batch whose prompts exceed one step's token budget is still formed whole before it runs."""
+    bm = BlockManager(100, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=3, policy="static", max_num_batched_tokens=8), bm)
+    params = SamplingParams(max_tokens=3)
+    seqs = [Sequence(0, 0, list(range(10 * i, 10 * i + 6)), 6, params) for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    first = sched.schedule()
+    assert [(s, n) for s, n in first.entries] == [(seqs[0], 6), (seqs[1], 2)]
+    sched.computed(first)
+    seqs[0].token_ids.append(9)  # its prompt is done: it sampled a token
+    second = sched.schedule()
+    assert [(s, n) for s, n in second.entries] == [(seqs[0], 1), (seqs[1], 4), (seqs[2], 3)], \
+        "the third member joins while the batch is formed (and the second finishes its prompt)"
+    assert seqs[3] in sched.waiting, "the fourth request waits for the next batch"

@@ -124,7 +124,7 @@ def check_invariants(steps, prompts, max_tokens, *, budget, max_num_seqs, num_bl
 
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 8), seed=st.integers(0, 10_000), budget=st.sampled_from([3, 8, 20, 512]),
-       seqs=st.integers(1, 5), blocks=st.integers(12, 60), policy=st.sampled_from(["continuous", "static"]),
+       seqs=st.integers(1, 5), blocks=st.integers(13, 60), policy=st.sampled_from(["continuous", "static"]),
        caching=st.booleans(), shared=st.sampled_from([0, 4, 9]))
 def test_any_run_keeps_the_books(n, seed, budget, seqs, blocks, policy, caching, shared):
     prompts, max_tokens = workload(n, seed=seed, lo=1, hi=25, new_hi=12, shared=shared)
