@@ -2,7 +2,7 @@
 
 >>> from llmu.data import text, names
 >>> names()
-['essays']
+['essays', 'luke_kjv']
 >>> text("essays")[:17]
 'Six Short Essays\\n'
 
@@ -10,6 +10,12 @@
 longitude, honeybee swarms), about 4,300 words, written for this repository and shipped under
 its licence (see ``README.md`` in this folder). Being new, they cannot have been part of the
 training data of any model the course uses.
+
+``luke_kjv``: the Gospel of Luke in the King James Version (1611), about 26,000 words and 32,000
+SmolLM2 tokens, one paragraph per chapter. Its copyright expired long ago: it is in the public
+domain, a text anyone may ship. Module 10 measures quantized models' perplexity on it. A text
+this old and this widely copied was surely in the model's training data, so its perplexity is
+low; what the course reads from it are *differences* between versions of the same model.
 
 ``json(name)`` reads the precomputed results shipped next to the texts (for example
 ``gqa_perplexity`` from ``python -m llmu.gqa.precompute``).
