@@ -177,6 +177,16 @@ class LLMEngine:
         Raises ``ValueError`` when the request can never run: prompt plus ``max_tokens`` beyond
         ``max_model_len``, or more blocks than the whole pool has.
         """
+        ids, params = self._check_request(prompt, params)
+        rid = next(self._next_id)
+        req = _Request(rid, prompt, ids, params)
+        req.seqs.append(self._new_sequence(req, 0, list(ids)))
+        self._requests[rid] = req
+        self.scheduler.add(req.seqs[0])  # the other n-1 samples fork from it after its prefill
+        return rid
+
+    def _check_request(self, prompt, params) -> tuple[list[int], SamplingParams]:
+        """The prompt's token ids and the parameters, or a ValueError/TypeError if it can never run."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be an llmu.engine.SamplingParams, got {type(params).__name__}")
@@ -194,12 +204,18 @@ class LLMEngine:
         if not cfg.chunked_prefill and len(ids) > cfg.max_num_batched_tokens:
             raise ValueError(f"prompt: {len(ids)} tokens do not fit one step of max_num_batched_tokens="
                              f"{cfg.max_num_batched_tokens} without chunked_prefill")
-        rid = next(self._next_id)
-        req = _Request(rid, prompt, ids, params)
-        req.seqs.append(self._new_sequence(req, 0, list(ids)))
-        self._requests[rid] = req
-        self.scheduler.add(req.seqs[0])  # the other n-1 samples fork from it after its prefill
-        return rid
+        return ids, params
+
+    def _add_all(self, prompts, sampling_params) -> list[int]:
+        """Check every prompt first, then queue them all: one bad prompt queues none."""
+        prompts = self._prompt_list(prompts)
+        params = self._params_list(prompts, sampling_params)
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            try:
+                self._check_request(p, sp)
+            except (ValueError, TypeError) as exc:
+                raise type(exc)(f"prompts[{i}]: {exc}") from None
+        return [self.add_request(p, sp) for p, sp in zip(prompts, params)]
 
     def _new_sequence(self, req: _Request, index: int, token_ids: list[int]) -> Sequence:
         generator = None
@@ -323,10 +339,7 @@ class LLMEngine:
 
     def stream(self, prompts, sampling_params=None) -> Iterator[StreamEvent]:
         """Add every prompt, then run steps until all are done, yielding their text as it comes."""
-        prompts = self._prompt_list(prompts)
-        params = self._params_list(prompts, sampling_params)
-        for p, sp in zip(prompts, params):
-            self.add_request(p, sp)
+        self._add_all(prompts, sampling_params)
         while self.has_unfinished():
             yield from self.step()
 
@@ -336,9 +349,7 @@ class LLMEngine:
 
         Returns one :class:`RequestOutput` per prompt, in order.
         """
-        prompts = self._prompt_list(prompts)
-        params = self._params_list(prompts, sampling_params)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids = self._add_all(prompts, sampling_params)
         while self.has_unfinished():
             self.step()
         return [self.output(rid) for rid in ids]

@@ -189,7 +189,9 @@ def test_requests_that_can_never_fit_are_refused(tiny):
         engine.add_request([1], params={"max_tokens": 3})
     with pytest.raises(ValueError, match="sampling_params"):
         engine.generate([[1], [2]], [SamplingParams()])
-    assert not engine.has_unfinished(), "a refused request must not be left queued"
+    with pytest.raises(ValueError, match=r"prompts\[2\]: .*max_model_len=64"):
+        engine.generate([[1, 2], [3], list(range(70))], SamplingParams(max_tokens=2))
+    assert not engine.has_unfinished(), "one bad prompt must not leave the good ones before it queued"
 
 
 @pytest.mark.parametrize("kwargs,match", [
