@@ -95,6 +95,18 @@ _MAX_GRID_Y = 65535      # CUDA's limit on the second grid dimension (the GEMV's
 
 
 @triton.jit
+def _tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Output tile (row, column) of program ``pid``, ``GROUP_M`` tile rows at a time: neighbouring
+    programs then share the same weight tiles while they are in L2 (Triton's matmul tutorial)."""
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    rows_here = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % rows_here, (pid % per_group) // rows_here
+
+
+@triton.jit
 def _int4_gemv_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, y_ptr,
     N, KH, G,                            # outputs, bytes per weight row (K / 2), group size
@@ -166,14 +178,7 @@ def _int4_gemm_kernel(
     PRECISION: tl.constexpr,
 ):
     # -- program id -> (tile row, tile column), GROUP_M tile rows at a time
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    rows_here = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % rows_here
-    pid_n = (pid % per_group) // rows_here
+    pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -266,14 +271,7 @@ def _int8_gemm_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    rows_here = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % rows_here
-    pid_n = (pid % per_group) // rows_here
+    pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
