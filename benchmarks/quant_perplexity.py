@@ -3,9 +3,12 @@
     python benchmarks/quant_perplexity.py results/quant_perplexity.json
     python benchmarks/quant_perplexity.py out.json --bits 4 3 --group-sizes 64 --schemes rtn gptq awq
 
-The essays (``llmu.data.text("essays")``, about 5,000 tokens) are cut in two: calibration windows
-come from the first half only (``llmu.quant.calibration.calibration_ids``), perplexity is measured
-on the second half (strided evaluation, ``llmu.models.perplexity``). Every scheme x bit width x
+Perplexity is measured on the Gospel of Luke in the King James Version (``llmu.data.text("luke_kjv")``,
+public domain, 32,000 tokens; strided evaluation, ``llmu.models.perplexity``), and the calibration
+windows come from the project's essays (``llmu.data.text("essays")``, about 5,000 tokens;
+``llmu.quant.calibration.calibration_ids``): no calibration token is ever scored. With
+``--eval-text essays`` the essays are cut in two instead, calibration from the first half, perplexity
+on the second (a quicker run). Every scheme x bit width x
 group size is one row of the table, written to the JSON file given on the command line (rewritten
 after every row, so an interrupted run keeps what it measured), with the float32 reference and
 the environment. On two CPU cores a row takes 10 to 60 seconds (GPTQ and AWQ run the 30 blocks
@@ -54,15 +57,25 @@ def main(argv=None) -> None:
                         help="GPTQ damping (the paper's 0.01 overfits here: see the docstring)")
     parser.add_argument("--act-order", action="store_true", help="GPTQ with act_order (static groups)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--eval-text", default="luke_kjv", choices=["luke_kjv", "essays"],
+                        help="luke_kjv (calibrate on all the essays) or essays (calibrate on the first half, "
+                             "score the second)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
     model = load_model(dtype=torch.float32, device="cpu")
-    calib_part, eval_part = split_ids(essay_ids(load_tokenizer()))
+    tokenizer = load_tokenizer()
+    if args.eval_text == "essays":
+        calib_part, eval_part = split_ids(essay_ids(tokenizer))
+    else:
+        from llmu.data import text
+
+        calib_part = essay_ids(tokenizer)
+        eval_part = torch.tensor(tokenizer.encode(text("luke_kjv"), add_special_tokens=False), dtype=torch.long)
     calib = calibration_ids(calib_part, n_samples=args.n_samples, seq_len=args.seq_len, seed=0)
-    print(f"calibration: {tuple(calib.shape)} windows from the first {len(calib_part)} tokens; "
-          f"evaluation: the last {len(eval_part)} tokens, window {args.window}, stride {args.stride}")
+    print(f"calibration: {tuple(calib.shape)} windows from {len(calib_part)} essay tokens; "
+          f"evaluation: {len(eval_part)} tokens of {args.eval_text}, window {args.window}, stride {args.stride}")
 
     def ppl(m) -> float:
         return perplexity(m, eval_part, window=args.window, stride=args.stride)
@@ -70,8 +83,11 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     fp32 = ppl(model)
     record = dict(
-        what="perplexity of SmolLM2-135M-Instruct on the second half of llmu.data.text('essays'), "
-             "quantized with RTN/GPTQ/AWQ calibrated on the first half",
+        what=("perplexity of SmolLM2-135M-Instruct on llmu.data.text('luke_kjv'), quantized with "
+              "RTN/GPTQ/AWQ calibrated on llmu.data.text('essays')" if args.eval_text == "luke_kjv" else
+              "perplexity of SmolLM2-135M-Instruct on the second half of llmu.data.text('essays'), "
+              "quantized with RTN/GPTQ/AWQ calibrated on the first half"),
+        eval_text=args.eval_text,
         made_by="python benchmarks/quant_perplexity.py " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
         calibration=dict(n_samples=args.n_samples, seq_len=args.seq_len, seed=0, tokens=len(calib_part)),
         evaluation=dict(tokens=len(eval_part), window=args.window, stride=args.stride),
