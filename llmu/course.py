@@ -557,6 +557,14 @@ def cells_by_grade_id(path) -> dict[str, str]:
     return {nbgrader_meta(c)["grade_id"]: "".join(c["source"]) for c in nb["cells"] if nbgrader_meta(c).get("grade_id")}
 
 
+def setup_namespace(cells: dict[str, str]) -> dict:
+    """A fresh namespace holding what a notebook's ``setup`` cell defines (without its environment
+    printout): where unit tests run the notebook's exercise and test cells."""
+    ns: dict = {}
+    exec(cells["setup"].replace("print(environment())", ""), ns)  # noqa: S102 - the course's own cell
+    return ns
+
+
 def exec_cell(source: str, ns: dict, workdir, name: str = "cell") -> dict:
     """Run a notebook cell's code in the namespace ``ns``, as the notebook's kernel would; return ``ns``.
 

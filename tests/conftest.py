@@ -63,3 +63,27 @@ def smollm2():
     from llmu.models import load_model, load_tokenizer
 
     return load_model(dtype=torch.float32, device="cpu"), load_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def check_cpu_sizes_run():
+    """``check(entries)``: run the entries' CPU sizes through ``llmu.bench.runner`` with a stub timer
+    (1 ms a call) and check every row: Triton rows skipped with a reason (interpreter timings mean
+    nothing), the others ok with GB/s and TFLOP/s derived from their byte and FLOP formulas."""
+    from llmu.bench import runner
+
+    def check(entries):
+        results = runner.run([e.name for e in entries], device="cpu", sizes="cpu", entries=entries,
+                             timer=lambda fn: (fn(), {"ms": 1.0})[1])
+        rows = results["rows"]
+        assert len(rows) == sum(len(e.cpu_sizes) * len(e.providers) for e in entries)
+        for row in rows:
+            if row["kind"] == "triton":
+                assert row["status"] == "skipped" and row["reason"]
+            else:
+                assert row["status"] == "ok", row["reason"]
+                assert row["gbs"] == pytest.approx(row["bytes"] / 1e-3 / 1e9)
+                assert row["tflops"] == pytest.approx(row["flops"] / 1e-3 / 1e12)
+        return rows
+
+    return check

@@ -37,9 +37,7 @@ def _on_kernel_device():
 
 
 def _namespace(cells):
-    ns: dict = {}
-    exec(cells["setup"].replace("print(environment())", ""), ns)  # noqa: S102
-    return ns
+    return course.setup_namespace(cells)
 
 
 def _define(ns, source, tmp_path, name):

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import llmu  # noqa: F401
-from llmu.bench import runner
 from llmu.bench.registry import REGISTRY
 from llmu.quant import bench_kernels as bench
 
@@ -66,15 +65,5 @@ def test_providers_agree_on_a_small_size(entry):
     assert (exact - ref).norm() < 0.2 * exact.norm()
 
 
-def test_cpu_sizes_run_through_the_runner():
-    results = runner.run([e.name for e in ENTRIES], device="cpu", sizes="cpu", entries=ENTRIES,
-                         timer=lambda fn: (fn(), {"ms": 1.0})[1])
-    rows = results["rows"]
-    assert len(rows) == sum(len(e.cpu_sizes) * len(e.providers) for e in ENTRIES)
-    for row in rows:
-        if row["kind"] == "triton":      # interpreter timings mean nothing: skipped, with the reason
-            assert row["status"] == "skipped" and row["reason"]
-        else:
-            assert row["status"] == "ok", row["reason"]
-            assert row["gbs"] == pytest.approx(row["bytes"] / 1e-3 / 1e9)
-            assert row["tflops"] == pytest.approx(row["flops"] / 1e-3 / 1e12)
+def test_cpu_sizes_run_through_the_runner(check_cpu_sizes_run):
+    check_cpu_sizes_run(ENTRIES)

@@ -24,9 +24,7 @@ def cells():
 
 
 def _namespace(cells):
-    ns: dict = {}
-    exec(cells["setup"].replace("print(environment())", ""), ns)  # noqa: S102
-    return ns
+    return course.setup_namespace(cells)
 
 
 EXERCISES = {
