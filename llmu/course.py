@@ -581,6 +581,23 @@ def exec_cell(source: str, ns: dict, workdir, name: str = "cell") -> dict:
     return ns
 
 
+def expect_test_failure(cells: dict[str, str], ns: dict, test_cells, failing: str) -> AssertionError:
+    """Run the ``test_cells`` before ``failing`` (each may pass or fail), then ``failing``, which must
+    fail with the ``AssertionError`` of a check: how unit tests show that a test cell catches a
+    wrong answer. Returns that error; raises ``AssertionError`` if the cell passes."""
+    test_cells = list(test_cells)
+    for name in test_cells[: test_cells.index(failing)]:
+        try:
+            exec(cells[name], ns)  # noqa: S102 - the course's own notebook cells
+        except AssertionError:
+            pass
+    try:
+        exec(cells[failing], ns)  # noqa: S102
+    except AssertionError as exc:
+        return exc
+    raise AssertionError(f"test cell {failing!r} passed: it does not catch this wrong answer")
+
+
 def nbgrader_meta(cell) -> dict:
     return dict(cell.get("metadata", {}).get("nbgrader", {}))
 

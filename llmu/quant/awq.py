@@ -47,8 +47,15 @@ group, so the fold is exact only when the scales agree across the heads of a gro
 
 With ``H == Hkv`` (multi-head attention) all three folds are exact and ``"tie"`` is free scaling.
 
-Left out of this version: AWQ's second search, which also clips each group's weight range
-(``auto_clip``); see the module's notebook for what it adds.
+**Clipping** (:func:`clip_search`, AWQ's second search, ``auto_clip`` in the reference code).
+After scaling, the weights are rounded with RTN, whose group scale is set by the group's largest
+weight. Shrinking that range (clipping the few largest weights of a group to ``r * max|w|``)
+gives every other weight of the group a finer step, at the price of an error on the clipped
+ones. For each output row and group, :func:`clip_search` tries ``r`` on a grid from 1 down to
+``1 - max_shrink`` and keeps the one whose group-partial outputs ``sum_k w[n, k] x[t, k]`` (``k``
+in the group) are closest to the float ones on calibration tokens. As in the reference code,
+``q_proj`` and ``k_proj`` are not clipped (their error matters through the attention scores,
+which this per-group output measure does not see). ``clip=False`` turns it off.
 """
 
 from __future__ import annotations
@@ -57,10 +64,11 @@ import copy
 
 import torch
 
-from llmu.quant.formats import check_weight, fake_quantize, quantize
+from llmu.quant.formats import _check_format, check_weight, fake_quantize, quantize
 from llmu.quant.gptq import _calibration_batch, _skipped, check_model_format
 
-__all__ = ["GQA_O_PROJ", "awq_search", "fold_layer_scales", "quantize_model_awq", "search_layer_scales"]
+__all__ = ["GQA_O_PROJ", "apply_clip", "awq_search", "clip_search", "fold_layer_scales", "quantize_model_awq",
+           "search_layer_scales"]
 
 GQA_O_PROJ = ("tie", "input_scale", "skip")
 
@@ -230,10 +238,73 @@ def fold_layer_scales(layer, scales: dict, *, gqa_o_proj: str = "tie") -> dict:
     return leftover
 
 
+@torch.no_grad()
+def clip_search(x: torch.Tensor, w: torch.Tensor, bits: int = 4, *, n_grid: int = 20, max_shrink: float = 0.5,
+                n_tokens: int = 512, rows_per_batch: int = 64, **fmt) -> torch.Tensor:
+    """AWQ's clipping ratios ``(N, K / G)`` for ``w`` ``(N, K)`` read by inputs ``x`` ``(tokens, K)``.
+
+    For each row and group of ``G`` inputs (``fmt``: ``group_size``, ``symmetric``,
+    ``granularity`` as :func:`~llmu.quant.formats.quantize`), the ratio ``r`` in
+    ``1, 1 - 1/n_grid, ...`` (down to ``1 - max_shrink``, excluded) whose clipped and RTN-rounded
+    weights ``clamp(w, -r m, r m)`` (``m`` the group's largest ``|w|``) give group-partial outputs
+    closest to the float ones on ``n_tokens`` evenly spaced tokens. ``r = 1`` is plain RTN, so on
+    those tokens the chosen clip is never worse than none.
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim != 2:
+        raise ValueError(f"x must be a 2-D float tensor of inputs (tokens, K), got {getattr(x, 'shape', type(x).__name__)}")
+    check_weight(w)
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(f"w has {w.shape[1]} inputs but x has {x.shape[1]} features")
+    if isinstance(n_grid, bool) or not isinstance(n_grid, int) or n_grid < 1:
+        raise ValueError(f"n_grid must be a positive int, got {n_grid!r}")
+    if isinstance(max_shrink, bool) or not isinstance(max_shrink, (int, float)) or not 0 <= max_shrink < 1:
+        raise ValueError(f"max_shrink must be a number in [0, 1), got {max_shrink!r}")
+    n, k = w.shape
+    g = _check_format(bits, fmt.get("granularity", "group"), fmt.get("group_size", 128), k)
+    x = x.float()
+    if x.shape[0] > n_tokens:
+        x = x[torch.linspace(0, x.shape[0] - 1, n_tokens).long()]
+    xg = x.reshape(-1, k // g, g)                                   # (T, groups, G)
+    ratios = torch.empty(n, k // g)
+    steps = [1 - i / n_grid for i in range(int(max_shrink * n_grid))] or [1.0]
+    for r0 in range(0, n, rows_per_batch):
+        wg = w[r0:r0 + rows_per_batch].detach().float().reshape(-1, k // g, g)  # (rows, groups, G)
+        ref = torch.einsum("tgk,ngk->ntg", xg, wg)                  # group-partial outputs
+        absmax = wg.abs().amax(dim=2, keepdim=True)
+        best_err = torch.full(wg.shape[:2], float("inf"))
+        best = torch.ones(wg.shape[:2])
+        for r in steps:
+            # -- clip the group to [-r m, r m], round it, compare the partial outputs
+            m = absmax * r
+            clipped = torch.maximum(torch.minimum(wg, m), -m)
+            q = fake_quantize(clipped.reshape(-1, k), bits, **fmt).float().reshape(wg.shape)
+            err = (torch.einsum("tgk,ngk->ntg", xg, q) - ref).pow(2).mean(dim=1)   # (rows, groups)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best = torch.where(better, torch.full_like(best, r), best)
+        ratios[r0:r0 + rows_per_batch] = best
+    return ratios
+
+
+def apply_clip(w: torch.Tensor, ratios: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``w`` ``(N, K)`` with each group's weights clamped to ``[-r m, r m]`` (``m`` its largest ``|w|``,
+    ``r`` from ``ratios`` ``(N, K / G)``); a new tensor."""
+    n, k = w.shape
+    if ratios.shape != (n, k // group_size):
+        raise ValueError(f"ratios must be (N, K / group_size) = {(n, k // group_size)}, got {tuple(ratios.shape)}")
+    wg = w.reshape(n, k // group_size, group_size)
+    m = wg.abs().amax(dim=2, keepdim=True) * ratios.to(w.dtype)[..., None]
+    return torch.maximum(torch.minimum(wg, m), -m).reshape(n, k)
+
+
+#: Projections AWQ does not clip (as the reference: their error acts through the attention scores).
+NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
+
+
 def quantize_model_awq(model, calibration=None, bits: int = 4, *, group_size: int = 128, symmetric: bool = False,
                        granularity: str = "group", inplace: bool = False, skip=(), gqa_o_proj: str = "tie",
-                       n_grid: int = 20, max_tokens: int | None = 4096, n_samples: int = 16, seq_len: int = 256,
-                       seed: int = 0, batch_size: int = 8, log=None):
+                       n_grid: int = 20, max_tokens: int | None = 4096, clip: bool = True, n_samples: int = 16,
+                       seq_len: int = 256, seed: int = 0, batch_size: int = 8, log=None):
     """Every projection of the blocks quantized with AWQ scales and RTN; returns the model (a copy unless ``inplace``).
 
     Block by block: capture the float inputs of the four groups on the calibration tokens, search
@@ -241,7 +312,8 @@ def quantize_model_awq(model, calibration=None, bits: int = 4, *, group_size: in
     calibration hidden states through the (float, rescaled: same function) block. Then every
     projection is rounded with RTN into a ``QuantLinear``. ``calibration``, ``skip`` and ``log``
     as in :func:`llmu.quant.gptq.quantize_model_gptq`; ``gqa_o_proj`` as in this module's docstring.
-    ``model.awq_alpha`` records the chosen exponents, per layer.
+    ``clip``: also search each group's clipping ratio (:func:`clip_search`; not with
+    ``granularity="tensor"``). ``model.awq_alpha`` records the chosen exponents, per layer.
     """
     from llmu.quant.calibration import BlockRunner
     from llmu.quant.linear import QuantLinear
@@ -254,15 +326,29 @@ def quantize_model_awq(model, calibration=None, bits: int = 4, *, group_size: in
     if not inplace:
         model = copy.deepcopy(model)
     runner = BlockRunner(model, ids, batch_size=batch_size)
-    leftovers, alphas = [], []
+    leftovers, alphas, clips = [], [], {}
     for li, layer in enumerate(model.layers):
         names = [GROUPS[k][0] for k in GROUPS]
         inputs = runner.capture(layer, names)
         scales = search_layer_scales(layer, inputs, bits, gqa_o_proj=gqa_o_proj, skip=skip, prefix=f"layers.{li}.",
                                      n_grid=n_grid, max_tokens=max_tokens, **fmt)
-        del inputs
         alphas.append(scales.pop("alpha"))
         leftovers.append(fold_layer_scales(layer, scales, gqa_o_proj=gqa_o_proj))
+        if clip and granularity != "tensor":
+            # -- clipping ratios of the scaled weights, from the inputs they will read (x / s)
+            for key, group in GROUPS.items():
+                x = inputs[group[0]]
+                s = scales.get(key, leftovers[-1].get(group[0]))
+                if s is not None:
+                    x = x / s
+                for nm in group:
+                    if nm in NO_CLIP or _skipped(f"layers.{li}.{nm}", skip):
+                        continue
+                    w = layer.get_submodule(nm).weight
+                    if nm in leftovers[-1]:
+                        w = w * leftovers[-1][nm][None, :]
+                    clips[(li, nm)] = clip_search(x, w, bits, n_grid=n_grid, **fmt)
+        del inputs
         runner.advance(layer)
         if log is not None:
             log(f"awq: layer {li} alphas {alphas[-1]}")
@@ -278,6 +364,8 @@ def quantize_model_awq(model, calibration=None, bits: int = 4, *, group_size: in
                 bias = None if lin.bias is None else lin.bias.detach().clone()
                 s = leftovers[li].get(nm)
                 w = lin.weight if s is None else lin.weight * s.to(lin.weight.dtype)[None, :]
+                if (li, nm) in clips:
+                    w = apply_clip(w, clips[(li, nm)], group_size if granularity == "group" else w.shape[1])
                 inv = None if s is None else 1.0 / s
                 setattr(parent, child, QuantLinear(quantize(w, bits, **fmt), bias, input_scale=inv))
     model.awq_alpha = alphas

@@ -94,7 +94,7 @@ def _run(size: dict, device) -> list[dict]:
                 ratio_vs_fp32=None if fp32_tps is None else tps[provider] / fp32_tps,
                 flops=2.0 * params, bytes=float(model_nbytes(model)), dtype=dtype, path=_path(model),
             ))
-        del quant
+        del base, quant  # before the next dtype's pair is loaded: two models in memory, never four
     return rows
 
 
