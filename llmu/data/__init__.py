@@ -17,8 +17,8 @@ domain, a text anyone may ship. Module 10 measures quantized models' perplexity 
 this old and this widely copied was surely in the model's training data, so its perplexity is
 low; what the course reads from it are *differences* between versions of the same model.
 
-``json(name)`` reads the precomputed results shipped next to the texts (for example
-``gqa_perplexity`` from ``python -m llmu.gqa.precompute``).
+``json(name)`` reads the precomputed results shipped next to the texts (``gqa_perplexity`` from
+``python -m llmu.gqa.precompute``, ``quant_perplexity`` from ``benchmarks/quant_perplexity.py``).
 """
 
 from __future__ import annotations

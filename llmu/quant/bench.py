@@ -9,8 +9,10 @@ Decoding one token reads every weight once and does two FLOPs per weight: at bat
 memory-bound, so tokens/s should follow the bytes of the weights — int8 moves a quarter of
 float32's bytes and half of bf16's. Whether it does depends on the matmul reading the int8 codes
 *directly*: ``QuantLinear`` uses PyTorch's ``aten._weight_int8pack_mm`` for bf16/fp16 activations
-(fast on CPU and GPU), and a cast-then-matmul for float32 activations (it writes a float copy of
-every weight on every call: slower than float32 itself). The rows say which path ran.
+(fast on CPU and GPU), and a cast-then-matmul for float32 activations: it reads one byte per
+weight from memory but writes and reads a float32 copy of the matrix on every call, which costs
+little while the copy stays in the CPU's caches (SmolLM2's matrices are at most 3.5 MB in
+float32) and a lot once it does not. The rows say which path ran.
 
 Rows (``provider``): on a CPU ``fp32``, ``int8 (fp32 activations)``, ``bf16``, ``int8 (bf16
 activations)``; on a GPU the bf16 pair. ``ratio``: tokens/s over the float model with the same
