@@ -1,0 +1,154 @@
+"""Speculative sampling in PyTorch: the accept/reject rule, the residual distribution, the bonus token.
+
+A cheap *draft* proposes ``γ`` tokens ``x_1 .. x_γ`` after a context, each drawn from its
+distribution ``q_i``; the *target* model scores the context and all ``γ`` tokens in one forward
+pass, which gives its distributions ``p_1 .. p_{γ+1}`` at every proposed position plus one. Then,
+left to right (Leviathan et al., 2023; Chen et al., 2023)::
+
+    accept x_i  with probability  min(1, p_i(x_i) / q_i(x_i))
+    at the first rejection:  draw the next token from  norm(max(0, p_i - q_i)),  stop
+    if all γ are accepted:   draw a bonus token from p_{γ+1}
+
+Every step emits between 1 and ``γ + 1`` tokens, and the tokens it emits are distributed *exactly*
+as if the target had sampled them one at a time: for one position, a token ``x`` comes out either
+accepted (``q(x) min(1, p(x)/q(x)) = min(q(x), p(x))``) or from the residual after a rejection
+(``P(reject) * max(0, p(x) - q(x)) / sum_y max(0, p(y) - q(y))``; the rejection probability is
+exactly that sum), and the two add up to ``p(x)``.
+
+Randomness is passed in, not drawn here, so that the torch reference and the Triton kernel
+(``llmu.spec.kernels``) can be compared on the same numbers:
+
+- ``u`` ``(B, γ)``: one uniform in ``[0, 1)`` per proposed token. ``x_i`` is accepted when
+  ``u_i * q_i(x_i) < p_i(x_i)`` (the same as ``u_i < p_i(x_i) / q_i(x_i)`` without a division;
+  a token with ``p >= q`` is always accepted);
+- ``r`` ``(B,)``: one uniform per sequence for the token drawn after the accepted prefix (from the
+  residual, or the bonus from ``p_{γ+1}``), by **inverse CDF**: the smallest index ``j`` whose
+  cumulative weight ``w_0 + ... + w_j`` exceeds ``r * sum(w)`` (weights need not be normalised).
+
+:func:`speculative_sample` draws ``u`` and ``r`` from a generator and calls :func:`accept_reject`.
+**Greedy** decoding is the special case of one-hot distributions (temperature 0): a proposed token
+is accepted exactly when it is the target's argmax, and the emitted token after the accepted prefix
+is the target's argmax there (:func:`greedy_accept`, which needs only the argmaxes).
+
+A deterministic draft (n-gram lookup, a greedy draft model) is a draft whose ``q_i`` is one-hot on
+the proposed token: :func:`one_hot_draft` builds it, and the rule above stays exact for sampling
+(``x_i`` is then accepted with probability ``p_i(x_i)``, and the residual is ``p_i`` without
+``x_i``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["accept_reject", "speculative_sample", "greedy_accept", "inverse_cdf", "one_hot_draft",
+           "check_inputs"]
+
+
+def check_inputs(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, u: torch.Tensor | None = None,
+                 r: torch.Tensor | None = None) -> tuple[int, int, int]:
+    """Validate the shapes and dtypes of :func:`accept_reject`'s inputs; return ``(B, γ, V)``."""
+    for name, t in (("p", p), ("q", q)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.ndim != 3:
+            raise ValueError(f"{name} must be a 3-D float tensor of probabilities, got "
+                             f"{getattr(t, 'shape', type(t).__name__)} {getattr(t, 'dtype', '')}")
+    b, g1, v = p.shape
+    if g1 < 2:
+        raise ValueError(f"p must hold gamma + 1 >= 2 distributions per sequence (dim 1), got {g1}")
+    gamma = g1 - 1
+    if q.shape != (b, gamma, v):
+        raise ValueError(f"q must be (B, gamma, V) = {(b, gamma, v)} for p of shape {tuple(p.shape)}, "
+                         f"got {tuple(q.shape)}")
+    if not isinstance(draft, torch.Tensor) or draft.is_floating_point() or draft.shape != (b, gamma):
+        raise ValueError(f"draft must be (B, gamma) = {(b, gamma)} integer token ids, got "
+                         f"{getattr(draft, 'shape', type(draft).__name__)}")
+    if draft.numel() and (int(draft.min()) < 0 or int(draft.max()) >= v):
+        raise ValueError(f"draft token ids must be in [0, V) = [0, {v})")
+    for name, t, shape in (("u", u, (b, gamma)), ("r", r, (b,))):
+        if t is not None and (not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.shape != shape):
+            raise ValueError(f"{name} must be {shape} uniforms in [0, 1), got "
+                             f"{getattr(t, 'shape', type(t).__name__)}")
+    for name, t in (("p", p), ("q", q), ("draft", draft)) + tuple((n, t) for n, t in (("u", u), ("r", r))
+                                                                  if t is not None):
+        if t.device != p.device:
+            raise ValueError(f"{name} is on {t.device} but p is on {p.device}; they must match")
+    return b, gamma, v
+
+
+def inverse_cdf(weights: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """For each row of ``weights`` ``(B, V)`` (non-negative, not necessarily normalised) the smallest
+    index ``j`` with ``cumsum(weights)[j] > r * sum(weights)``, ``(B,)`` int64. A row of zeros gives 0;
+    ``r`` near 1 never runs past the last index with a positive weight."""
+    w = weights.double()
+    c = w.cumsum(dim=-1)
+    total = c[:, -1:]
+    idx = (c <= r.double()[:, None] * total).sum(dim=-1)
+    # float rounding can put r * total at or above the last cumulative value: stay on a positive weight
+    last = torch.where(w > 0, torch.arange(w.shape[-1], device=w.device), -1).amax(dim=-1).clamp(min=0)
+    return torch.minimum(idx, last)
+
+
+def accept_reject(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, u: torch.Tensor,
+                  r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One verification step for a batch: ``(accepted (B,) int64, next_token (B,) int64)``.
+
+    ``p`` ``(B, γ + 1, V)``: the target's probabilities at the ``γ`` proposed positions and one more;
+    ``q`` ``(B, γ, V)``: the draft's probabilities the proposals were drawn from; ``draft`` ``(B, γ)``
+    the proposed tokens; ``u`` ``(B, γ)`` and ``r`` ``(B,)`` uniforms (see the module docstring).
+    Sequence ``b`` keeps ``draft[b, :accepted[b]]`` and then ``next_token[b]``: drawn from the
+    residual at the first rejected position, or from ``p[b, γ]`` when all ``γ`` were accepted.
+    """
+    if u is None or r is None:
+        raise ValueError("u (B, gamma) and r (B,) uniforms are required: speculative_sample draws them")
+    b, gamma, v = check_inputs(p, q, draft, u, r)
+    idx = draft.long()[..., None]
+    p_x = p[:, :gamma].gather(-1, idx)[..., 0].float()
+    q_x = q.gather(-1, idx)[..., 0].float()
+    # -- accept while u * q(x) < p(x); the number accepted is the length of the leading run
+    ok = u.float() * q_x < p_x
+    accepted = ok.long().cumprod(dim=-1).sum(dim=-1)
+    # -- the distribution of the token after the prefix: residual at the rejection, else p[γ]
+    rows = torch.arange(b, device=p.device)
+    at = accepted.clamp(max=gamma - 1)
+    residual = (p[rows, at].float() - q[rows, at].float()).clamp(min=0)
+    # (a residual with no mass cannot follow a rejection: u * q(x) < p(x) fails only when p(x) < q(x),
+    # which leaves mass elsewhere; a rounding-level tie falls back to p)
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p[rows, at].float())
+    weights = torch.where((accepted == gamma)[:, None], p[:, gamma].float(), residual)
+    return accepted, inverse_cdf(weights, r)
+
+
+def speculative_sample(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
+                       generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`accept_reject` with ``u`` and ``r`` drawn from ``generator`` (on ``p``'s device)."""
+    b, gamma, _ = check_inputs(p, q, draft)
+    u = torch.rand(b, gamma, generator=generator, device=p.device)
+    r = torch.rand(b, generator=generator, device=p.device)
+    return accept_reject(p, q, draft, u, r)
+
+
+def greedy_accept(target_argmax: torch.Tensor, draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification: ``target_argmax`` ``(B, γ + 1)`` (the target's argmax at each proposed
+    position and one more), ``draft`` ``(B, γ)``. Returns ``(accepted, next_token)``: the number of
+    leading proposals equal to the target's argmax, and the target's argmax right after them."""
+    if not isinstance(target_argmax, torch.Tensor) or target_argmax.ndim != 2 or target_argmax.is_floating_point():
+        raise ValueError(f"target_argmax must be (B, gamma + 1) integer token ids, got "
+                         f"{getattr(target_argmax, 'shape', type(target_argmax).__name__)}")
+    b, g1 = target_argmax.shape
+    if not isinstance(draft, torch.Tensor) or draft.shape != (b, g1 - 1) or draft.is_floating_point():
+        raise ValueError(f"draft must be (B, gamma) = {(b, g1 - 1)} integer token ids, got "
+                         f"{getattr(draft, 'shape', type(draft).__name__)}")
+    match = (draft.long() == target_argmax[:, :-1].long())
+    accepted = match.long().cumprod(dim=-1).sum(dim=-1)
+    return accepted, target_argmax.long().gather(-1, accepted[:, None])[:, 0]
+
+
+def one_hot_draft(draft: torch.Tensor, vocab_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The draft distribution of a deterministic draft: ``(B, γ, V)``, probability 1 on each proposal."""
+    if not isinstance(draft, torch.Tensor) or draft.ndim != 2 or draft.is_floating_point():
+        raise ValueError(f"draft must be (B, gamma) integer token ids, got {getattr(draft, 'shape', type(draft).__name__)}")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
+    if draft.numel() and (int(draft.min()) < 0 or int(draft.max()) >= vocab_size):
+        raise ValueError(f"draft token ids must be in [0, vocab_size) = [0, {vocab_size})")
+    q = torch.zeros(*draft.shape, vocab_size, dtype=dtype, device=draft.device)
+    return q.scatter_(-1, draft.long()[..., None], 1.0)
