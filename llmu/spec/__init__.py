@@ -6,4 +6,10 @@
   ``speculative_sample``): one program per sequence walks the proposals, then samples the token
   after the accepted prefix by inverse CDF over the vocabulary in tiles — one launch, no host
   synchronisation inside the step.
+- ``drafts``: what proposes: :class:`~llmu.spec.drafts.EarlyExitDraft` (the target's first ``k``
+  blocks and its head, self-speculative) and :class:`~llmu.spec.drafts.NGramDraft` (prompt lookup);
+  ``rewind`` crops a KV cache back to the prefix a new context shares with it;
+- ``decode``: the loop (``speculative_generate``: propose, verify in one target pass, accept,
+  rewind) with its statistics, and ``expected_tokens_per_step``;
+- ``stats``: the chi-square goodness-of-fit test the exactness checks use.
 """

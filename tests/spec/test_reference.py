@@ -22,7 +22,7 @@ non-zero expected probability (cells of zero probability must stay empty: checke
 false-alarm rate ``ALPHA = 1e-4`` per test; acceptance rates with the normal approximation of
 the binomial, two-sided, at the same rate. scipy is not installed here, so the chi-square tail
 probability is computed in closed form (the regularised upper incomplete gamma function of
-half-integer order: a finite sum plus ``erfc`` for odd degrees of freedom; ``chi2_sf``, itself
+half-integer order: a finite sum plus ``erfc`` for odd degrees of freedom; ``llmu.spec.stats.chi2_sf``, itself
 checked against tabulated critical values). Every generator is seeded, so the outcome is
 deterministic: ``ALPHA`` says how unlucky a seed would have to be for a correct implementation
 to fail. With ``N = 200,000`` sequences the tests have power: a sampler that skips the residual
@@ -46,48 +46,11 @@ import pytest
 import torch
 
 from llmu.spec import reference
+from llmu.spec.stats import chi2_sf, chi_square_pvalue
 
 ALPHA = 1e-4
 N = 200_000
 START = 0
-
-
-# -- the chi-square test, without scipy ----------------------------------------------------------
-
-
-def chi2_sf(x: float, df: int) -> float:
-    """P(X >= x) for X chi-square with ``df`` degrees of freedom: ``Q(df/2, x/2)`` in closed form."""
-    if x <= 0:
-        return 1.0
-    h = x / 2
-    if df % 2 == 0:                              # Q(m, h) = e^-h sum_{i<m} h^i / i!
-        term = total = math.exp(-h)
-        for i in range(1, df // 2):
-            term *= h / i
-            total += term
-        return total
-    # Q(m + 1/2, h) = erfc(sqrt h) + e^-h sum_{i=1..m} h^(i-1/2) / Gamma(i+1/2)
-    total = math.erfc(math.sqrt(h))
-    term = math.exp(-h) * math.sqrt(h) / math.gamma(1.5)
-    for i in range(1, (df - 1) // 2 + 1):
-        total += term
-        term *= h / (i + 0.5)
-    return total
-
-
-def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's goodness of fit of ``counts`` to ``probs`` (same shape, any). Cells of probability
-    0 are left out of the statistic and of the degrees of freedom; a sample in one is impossible
-    under the hypothesis: p-value 0."""
-    counts, probs = counts.double().flatten(), probs.double().flatten()
-    zero = probs <= 0
-    if counts[zero].sum() > 0:
-        return 0.0
-    n = counts.sum()
-    expected = n * probs[~zero] / probs[~zero].sum()
-    assert expected.min() >= 5, "too few samples per cell for the chi-square approximation"
-    stat = float(((counts[~zero] - expected) ** 2 / expected).sum())
-    return chi2_sf(stat, int((~zero).sum()) - 1)
 
 
 def assert_fits(counts, probs):

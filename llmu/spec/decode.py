@@ -1,0 +1,153 @@
+"""The speculative decoding loop: draft, verify in one target pass, keep the accepted prefix, rewind.
+
+One **step** with a context of ``L`` tokens (the target's cache holds the first ``L - 1``)::
+
+    draft proposes  d_1 .. d_γ                         (γ cheap forward passes, or a lookup)
+    target runs     [c_L, d_1, .., d_γ]  in ONE pass   -> p_1 .. p_{γ+1}
+    accept/reject   keep d_1 .. d_n, then one more token t (residual or bonus)
+    rewind          the target's cache keeps L + n positions: c_1 .. c_L, d_1 .. d_n
+
+so a step emits ``n + 1`` tokens (between 1 and ``γ + 1``) for one target pass. Decoding is
+memory-bound (module 05): a pass over ``γ + 1`` tokens reads the weights once, like a pass over
+one, and costs about the same. If each proposal is accepted with probability ``α`` (independently),
+a step emits ``(1 - α^(γ+1)) / (1 - α)`` tokens on average.
+
+Greedy decoding (``temperature == 0``) accepts a proposal exactly when it is the target's argmax
+(``reference.greedy_accept``): the tokens are those of plain greedy decoding. Sampling uses the
+accept/reject rule (``reference.accept_reject``, or the Triton kernel): the tokens are distributed
+as the target's samples.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from llmu.models.sampling import SamplingParams
+from llmu.spec import reference
+from llmu.spec.drafts import Draft, check_params, probabilities, rewind
+
+__all__ = ["SpecStats", "SpecOutput", "speculative_generate", "expected_tokens_per_step"]
+
+
+def expected_tokens_per_step(alpha: float, gamma: int) -> float:
+    """``(1 - α^(γ+1)) / (1 - α)``: tokens a step emits on average when every proposal is accepted
+    independently with probability ``alpha`` (``γ + 1`` at ``α = 1``)."""
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
+    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 0:
+        raise ValueError(f"gamma must be an int >= 0, got {gamma!r}")
+    return float(gamma + 1) if alpha == 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+@dataclass
+class SpecStats:
+    """What a speculative generation did: per step, the proposals made and accepted; timings."""
+
+    proposed: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    emitted: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+    target_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def steps(self) -> int:
+        return len(self.proposed)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted proposals over proposals made (``nan`` when none were made)."""
+        made = sum(self.proposed)
+        return sum(self.accepted) / made if made else float("nan")
+
+    @property
+    def tokens_per_step(self) -> float:
+        return sum(self.emitted) / self.steps if self.steps else float("nan")
+
+
+@dataclass
+class SpecOutput:
+    tokens: list[int]
+    stats: SpecStats
+
+
+@torch.no_grad()
+def speculative_generate(target, draft: Draft, prompt_ids: Sequence[int], max_new_tokens: int, *, gamma: int = 4,
+                         params: SamplingParams | None = None, eos_token_id: int | None = None,
+                         accept_fn: Callable | None = None) -> SpecOutput:
+    """Up to ``max_new_tokens`` tokens after ``prompt_ids`` from ``target``, proposed by ``draft``.
+
+    ``gamma``: proposals per step (fewer near the end, where the budget leaves less room).
+    ``params``: temperature, top-k/top-p/min-p and seed (``SamplingParams``; ``temperature=0`` is
+    greedy). ``eos_token_id``: stop after emitting it. ``accept_fn``: the accept/reject function
+    for sampling, ``reference.accept_reject`` by default (``llmu.spec.kernels.accept_reject`` has
+    the same signature). Returns the new tokens and :class:`SpecStats`.
+    """
+    params = check_params(params or SamplingParams())
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise ValueError("prompt_ids must hold at least one token")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 0:
+        raise ValueError(f"gamma must be an int >= 0 (0 = plain decoding), got {gamma!r}")
+    if not isinstance(draft, Draft):
+        raise TypeError(f"draft must be a llmu.spec.drafts.Draft, got {type(draft).__name__}")
+    accept_fn = accept_fn or reference.accept_reject
+    generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+    max_len = len(prompt) + max_new_tokens + gamma + 1
+    cache = target.new_cache(batch_size=1, max_len=max_len)
+    draft.begin(max_len)
+    held: list[int] = []
+    context, out, stats = list(prompt), [], SpecStats()
+    start = time.perf_counter()
+    while len(out) < max_new_tokens:
+        # -- 1. the draft proposes (never more than the budget can take after the step's own token)
+        g = min(gamma, max_new_tokens - len(out) - 1)
+        t0 = time.perf_counter()
+        proposal, q = draft.propose(context, g, params, generator) if g > 0 else ([], None)
+        proposal = [int(t) for t in proposal][:g]
+        t1 = time.perf_counter()
+        # -- 2. the target scores the last context token and every proposal in one pass
+        held, feed = rewind(cache, held, context)
+        ids = feed + proposal
+        logits = target(torch.tensor([ids], device=target.device), cache=cache).logits[0, len(feed) - 1:]
+        held = held + ids
+        # -- 3. accept a prefix of the proposals, then one more token
+        if params.greedy:
+            accepted, nxt = reference.greedy_accept(logits.argmax(dim=-1)[None].cpu(),
+                                                    torch.tensor([proposal], dtype=torch.long))
+        elif not proposal:  # nothing proposed: an ordinary sampling step from p_1
+            r = torch.rand(1, generator=generator)
+            accepted, nxt = torch.zeros(1, dtype=torch.long), reference.inverse_cdf(
+                probabilities(logits, params)[:1].cpu(), r)
+        else:
+            p = probabilities(logits, params)[None]
+            d = torch.tensor([proposal], dtype=torch.long, device=p.device)
+            qq = (q.to(p.device)[None] if q is not None
+                  else reference.one_hot_draft(d, p.shape[-1]))
+            u = torch.rand(1, len(proposal), generator=generator).to(p.device)
+            r = torch.rand(1, generator=generator).to(p.device)
+            accepted, nxt = accept_fn(p, qq, d, u, r)
+        n = int(accepted[0])
+        new = proposal[:n] + [int(nxt[0])]
+        t2 = time.perf_counter()
+        # -- 4. keep the new tokens (up to the budget and the end of sequence)
+        if eos_token_id is not None and eos_token_id in new:
+            new = new[: new.index(eos_token_id) + 1]
+        new = new[: max_new_tokens - len(out)]
+        stats.proposed.append(len(proposal))
+        stats.accepted.append(n)
+        stats.emitted.append(len(new))
+        stats.draft_s += t1 - t0
+        stats.target_s += t2 - t1
+        context += new
+        out += new
+        if eos_token_id is not None and new[-1] == eos_token_id:
+            break
+    stats.total_s = time.perf_counter() - start
+    return SpecOutput(out, stats)
