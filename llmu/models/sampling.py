@@ -156,6 +156,13 @@ def process_logits(logits: torch.Tensor, context_ids: torch.Tensor | None, param
     return logits
 
 
+def probabilities(logits: torch.Tensor, params: SamplingParams,
+                  context_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The distribution ``params`` draws the next token from: ``softmax`` of the processed logits,
+    float32 (speculative decoding needs it explicitly, to compare a draft's with the target's)."""
+    return process_logits(logits.float(), context_ids, params).softmax(dim=-1)
+
+
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """The most likely token of each row, ``(B,)``."""
     return _check_logits(logits).argmax(dim=-1)

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmu.models.sampling import SamplingParams
+from llmu.models.sampling import SamplingParams, probabilities
 from llmu.spec import reference
-from llmu.spec.drafts import Draft, check_params, probabilities, rewind
+from llmu.spec.drafts import Draft, check_params, rewind
 
 __all__ = ["SpecStats", "SpecOutput", "speculative_generate", "expected_tokens_per_step"]
 

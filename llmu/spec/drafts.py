@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from llmu.models.cache import KVCache
-from llmu.models.sampling import SamplingParams, process_logits
+from llmu.models.sampling import SamplingParams, probabilities
 
 __all__ = ["Draft", "EarlyExitDraft", "NGramDraft", "rewind", "check_params"]
 
@@ -39,11 +39,6 @@ def check_params(params: SamplingParams) -> SamplingParams:
         raise ValueError("speculative decoding does not support repetition_penalty (it changes the "
                          "distribution of each position differently); use 1")
     return params
-
-
-def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Rows of ``logits`` ``(n, V)`` turned into the distributions ``params`` samples from, float32."""
-    return process_logits(logits.float(), None, params).softmax(dim=-1)
 
 
 def rewind(cache: KVCache, held: list[int], context: Sequence[int]) -> tuple[list[int], list[int]]:

@@ -211,3 +211,13 @@ def test_generate_bad_arguments(smollm2):
         generate(model, tok, "hi", 3, temperature=-1)
     with pytest.raises(TypeError, match="prompt must be a str"):
         generate(model, tok, 3.5, 3)
+
+
+def test_probabilities_are_what_sampling_draws_from():
+    from llmu.models.sampling import SamplingParams, probabilities, process_logits
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    params = SamplingParams(temperature=0.5, top_k=2)
+    p = probabilities(logits, params)
+    torch.testing.assert_close(p, process_logits(logits, None, params).softmax(-1))
+    assert p.dtype == torch.float32 and p[0, 2:].eq(0).all() and p.sum().item() == pytest.approx(1.0)
