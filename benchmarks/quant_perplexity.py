@@ -57,6 +57,7 @@ def plan(group_sizes, bits, schemes) -> list[tuple[str, int, int]]:
 
 def main(argv=None) -> None:
     import llmu  # noqa: F401  (runtime setup first)
+    from llmu.bench.results import resumable
     from llmu.data import text
     from llmu.models import load_model, load_tokenizer
     from llmu.models.perplexity import perplexity
@@ -106,13 +107,8 @@ def main(argv=None) -> None:
         percdamp=args.percdamp, act_order=args.act_order,
     )
     out = Path(args.out)
-    if args.resume and out.is_file():
-        record = json.loads(out.read_text(encoding="utf-8"))
-        differ = [k for k in SETTINGS if record.get(k) != settings[k]]
-        if differ:
-            sys.exit(f"{out} was made with other settings ({', '.join(differ)}): drop --resume or match them")
-        print(f"resuming {out}: {len(record['rows'])} rows already measured")
-    else:
+    record = resumable(out, settings, SETTINGS) if args.resume else None
+    if record is None:
         start = time.perf_counter()
         ref = ppl(model)
         live_ids = eval_part[:args.live_tokens]
@@ -121,7 +117,7 @@ def main(argv=None) -> None:
             what=f"perplexity of SmolLM2-135M-Instruct on {args.eval_text} (all but the first "
                  f"{args.calib_fraction:.0%}), quantized with RTN/GPTQ/AWQ calibrated on that first part",
             **settings,
-            made_by="python benchmarks/quant_perplexity.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            made_by=" ".join(["python benchmarks/quant_perplexity.py", *(argv if argv is not None else sys.argv[1:])]),
             environment=str(environment()), date=time.strftime("%Y-%m-%d"),
             fp32=dict(perplexity=ref, nbytes=model_nbytes(model), seconds=round(time.perf_counter() - start, 1)),
             live_check=dict(tokens=len(live_ids), scheme="rtn", bits=4, group_size=64,

@@ -84,3 +84,18 @@ def recorded(name: str, directory: str | os.PathLike | None = None) -> list[dict
                 rows.append({**row, "recorded": True, "source": path.name, "device_name": label,
                              "date": date, "created": data.get("created")})
     return rows
+
+
+def resumable(path: str | os.PathLike, settings: dict, keys) -> dict | None:
+    """The table a precompute script (``benchmarks/*.py --resume``) wrote at ``path``, to add rows to;
+    ``None`` when there is no file. Exits with a message when the file was made with other
+    ``settings`` (compared on ``keys``): rows measured under other settings must not be mixed."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text(encoding="utf-8"))
+    differ = [k for k in keys if record.get(k) != settings[k]]
+    if differ:
+        raise SystemExit(f"{path} was made with other settings ({', '.join(differ)}): drop --resume or match them")
+    print(f"resuming {path}: {len(record['rows'])} rows already measured", flush=True)
+    return record

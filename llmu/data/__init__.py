@@ -18,7 +18,8 @@ this old and this widely copied was surely in the model's training data, so its 
 low; what the course reads from it are *differences* between versions of the same model.
 
 ``json(name)`` reads the precomputed results shipped next to the texts (``gqa_perplexity`` from
-``python -m llmu.gqa.precompute``, ``quant_perplexity`` from ``benchmarks/quant_perplexity.py``).
+``python -m llmu.gqa.precompute``, ``quant_perplexity`` from ``benchmarks/quant_perplexity.py``,
+``spec_acceptance`` from ``benchmarks/spec_acceptance.py``).
 """
 
 from __future__ import annotations

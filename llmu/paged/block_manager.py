@@ -16,7 +16,9 @@ The manager does the bookkeeping only; it never touches a tensor:
   hash of its tokens *and of every token before it* (a chain: ``hash(parent_hash, tokens)``, since
   a key depends on the whole prefix). A new sequence whose first blocks hash the same reuses them
   instead of recomputing them. Freed blocks keep their contents and hash until the block is
-  handed out again, so a prompt seen a moment ago is usually still cached.
+  handed out again, so a prompt seen a moment ago is usually still cached;
+- *truncation*: :meth:`BlockManager.truncate` keeps a sequence's first ``n`` positions and releases
+  the blocks after them. Speculative decoding (module 11) rolls back rejected draft tokens with it.
 
 When the pool runs dry an operation raises :class:`NoFreeBlocks` *before* changing anything, so
 the scheduler can preempt a sequence and retry; ``can_*`` methods ask first.
@@ -59,6 +61,7 @@ class BlockManager:
         copies = bm.prepare_write(seq, start, end)   # room (and private blocks) for positions start..end-1
         ... compute them; perform ``copies`` on the pool first ...
         bm.commit(seq, tokens, computed)       # register the blocks now full, for prefix caching
+        bm.truncate(seq, n)                    # keep the first n positions only (rejected draft tokens)
         bm.free(seq)                           # when it finishes (or is preempted)
     """
 
@@ -257,6 +260,26 @@ class BlockManager:
             self.blocks[block_id].ref_count += 1
         self.tables[child_id] = list(table)
         self._hashes[child_id] = list(self._hashes[parent_id])
+
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Keep only the first ``num_tokens`` positions of ``seq_id`` (speculative decoding drops the
+        rejected proposals so). The blocks after them are released, last block first, as :meth:`free`
+        does; the hashes of the blocks no longer full are forgotten.
+
+        The block the cut falls in stays in the table. If it is registered in the prefix cache it
+        stays registered: its positions still hold the keys and values its hash names, and it stays
+        read-only, so the next write into it goes through copy-on-write (:meth:`prepare_write`).
+        """
+        table = self._table(seq_id)
+        covered = len(table) * self.block_size
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 0 <= num_tokens <= covered:
+            raise ValueError(f"num_tokens must be an int in 0..{covered} (the positions the table of {seq_id!r} "
+                             f"covers), got {num_tokens!r}")
+        keep = self.blocks_for(num_tokens)
+        for block_id in reversed(table[keep:]):
+            self._release(block_id)
+        del table[keep:]
+        del self._hashes[seq_id][num_tokens // self.block_size :]
 
     def free(self, seq_id: Hashable) -> None:
         """Return the blocks of ``seq_id``. Blocks still shared stay; the others go to the free list,

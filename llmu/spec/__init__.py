@@ -10,6 +10,9 @@
   blocks and its head, self-speculative) and :class:`~llmu.spec.drafts.NGramDraft` (prompt lookup);
   ``rewind`` crops a KV cache back to the prefix a new context shares with it;
 - ``decode``: the loop (``speculative_generate``: propose, verify in one target pass, accept,
-  rewind) with its statistics, and ``expected_tokens_per_step``;
+  rewind) with its statistics, and ``expected_tokens_per_step``; the target keeps its keys and
+  values in a ``ContiguousTarget`` (module 06's cache) or a ``paged.PagedTarget`` (module 09's
+  block pool, rolled back with ``BlockManager.truncate``);
+- ``prompts``: the prompts drafts are measured on (``edit``, ``summarise``, ``story``);
 - ``stats``: the chi-square goodness-of-fit test the exactness checks use.
 """

@@ -30,7 +30,11 @@ from llmu.models.sampling import SamplingParams, probabilities
 from llmu.spec import reference
 from llmu.spec.drafts import Draft, check_params, rewind
 
-__all__ = ["SpecStats", "SpecOutput", "speculative_generate", "expected_tokens_per_step"]
+__all__ = ["SpecStats", "SpecOutput", "ContiguousTarget", "speculative_generate", "expected_tokens_per_step",
+           "CACHES"]
+
+#: Where the target keeps its keys and values: module 06's contiguous cache, or module 09's pages.
+CACHES = ("contiguous", "paged")
 
 
 def expected_tokens_per_step(alpha: float, gamma: int) -> float:
@@ -41,6 +45,41 @@ def expected_tokens_per_step(alpha: float, gamma: int) -> float:
     if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 0:
         raise ValueError(f"gamma must be an int >= 0, got {gamma!r}")
     return float(gamma + 1) if alpha == 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+class ContiguousTarget:
+    """The target model over one contiguous :class:`~llmu.models.cache.KVCache` (module 06).
+
+    The loop asks three things of a target cache (``llmu.spec.paged.PagedTarget`` answers them over
+    the paged pool of module 09): ``length`` (positions it holds), ``crop(n)`` (forget every
+    position from ``n`` on: rejected proposals fall off), and ``forward(ids)`` (append ``ids`` and
+    return their logits, ``(len(ids), V)``).
+    """
+
+    def __init__(self, model, max_len: int):
+        self.model = model
+        self.cache = model.new_cache(batch_size=1, max_len=max_len)
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def crop(self, length: int) -> None:
+        self.cache.crop(length)
+
+    def forward(self, ids: Sequence[int]) -> torch.Tensor:
+        x = torch.tensor([list(ids)], device=self.model.device)
+        return self.model(x, cache=self.cache).logits[0]
+
+
+def _target_cache(target, kind: str, max_len: int, block_size: int):
+    if kind == "contiguous":
+        return ContiguousTarget(target, max_len)
+    if kind == "paged":
+        from llmu.spec.paged import PagedTarget
+
+        return PagedTarget(target, max_len, block_size=block_size)
+    raise ValueError(f"cache must be one of {CACHES}, got {kind!r}")
 
 
 @dataclass
@@ -78,14 +117,17 @@ class SpecOutput:
 @torch.no_grad()
 def speculative_generate(target, draft: Draft, prompt_ids: Sequence[int], max_new_tokens: int, *, gamma: int = 4,
                          params: SamplingParams | None = None, eos_token_id: int | None = None,
-                         accept_fn: Callable | None = None) -> SpecOutput:
+                         accept_fn: Callable | None = None, cache: str = "contiguous",
+                         block_size: int = 16) -> SpecOutput:
     """Up to ``max_new_tokens`` tokens after ``prompt_ids`` from ``target``, proposed by ``draft``.
 
     ``gamma``: proposals per step (fewer near the end, where the budget leaves less room).
     ``params``: temperature, top-k/top-p/min-p and seed (``SamplingParams``; ``temperature=0`` is
     greedy). ``eos_token_id``: stop after emitting it. ``accept_fn``: the accept/reject function
     for sampling, ``reference.accept_reject`` by default (``llmu.spec.kernels.accept_reject`` has
-    the same signature). Returns the new tokens and :class:`SpecStats`.
+    the same signature). ``cache``: ``"contiguous"`` (module 06) or ``"paged"`` (module 09's block
+    pool, ``block_size`` positions a block; a rejected proposal's blocks go back to the free list).
+    Returns the new tokens and :class:`SpecStats`.
     """
     params = check_params(params or SamplingParams())
     prompt = [int(t) for t in prompt_ids]
@@ -97,10 +139,12 @@ def speculative_generate(target, draft: Draft, prompt_ids: Sequence[int], max_ne
         raise ValueError(f"gamma must be an int >= 0 (0 = plain decoding), got {gamma!r}")
     if not isinstance(draft, Draft):
         raise TypeError(f"draft must be a llmu.spec.drafts.Draft, got {type(draft).__name__}")
+    if cache not in CACHES:
+        raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
     accept_fn = accept_fn or reference.accept_reject
     generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
     max_len = len(prompt) + max_new_tokens + gamma + 1
-    cache = target.new_cache(batch_size=1, max_len=max_len)
+    kv = _target_cache(target, cache, max_len, block_size)
     draft.begin(max_len)
     held: list[int] = []
     context, out, stats = list(prompt), [], SpecStats()
@@ -113,9 +157,9 @@ def speculative_generate(target, draft: Draft, prompt_ids: Sequence[int], max_ne
         proposal = [int(t) for t in proposal][:g]
         t1 = time.perf_counter()
         # -- 2. the target scores the last context token and every proposal in one pass
-        held, feed = rewind(cache, held, context)
+        held, feed = rewind(kv, held, context)
         ids = feed + proposal
-        logits = target(torch.tensor([ids], device=target.device), cache=cache).logits[0, len(feed) - 1:]
+        logits = kv.forward(ids)[len(feed) - 1:]
         held = held + ids
         # -- 3. accept a prefix of the proposals, then one more token
         if params.greedy:

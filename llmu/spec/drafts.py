@@ -41,9 +41,10 @@ def check_params(params: SamplingParams) -> SamplingParams:
     return params
 
 
-def rewind(cache: KVCache, held: list[int], context: Sequence[int]) -> tuple[list[int], list[int]]:
-    """Crop ``cache`` (which holds the keys and values of the tokens ``held``) to the longest prefix
-    ``held`` shares with ``context``, keeping at least the last context token to feed.
+def rewind(cache, held: list[int], context: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Crop ``cache``, which holds the keys and values of the tokens ``held``, to the longest prefix
+    ``held`` shares with ``context``, keeping at least the last context token to feed. ``cache`` is
+    anything with ``length`` and ``crop(n)``: a ``KVCache``, or a target cache of ``llmu.spec.decode``.
 
     Returns ``(kept, feed)``: the tokens the cache still holds, and the tokens of ``context`` to feed
     next (never empty: the logits after the last context token are what a step needs).

@@ -1,0 +1,250 @@
+"""Benchmarks of module 11: does speculative decoding make SmolLM2 faster, and what does the step cost?
+
+``spec_decode`` (a whole-model ``run=`` entry): SmolLM2-135M, batch 1, greedy, one of the prompts
+of :mod:`llmu.spec.prompts` (size key ``prompt``). Plain decoding against speculative decoding with
+each draft: prompt lookup (``NGramDraft``, n = 3..1, ``gamma`` proposals a step) and the target's
+own first ``exit`` blocks (``EarlyExitDraft``, ``exit_gamma`` proposals a step), with the same
+``new`` tokens at most and the same end-of-turn token. Every generation goes through one loop,
+``llmu.spec.decode.speculative_generate``: plain decoding is that loop with ``gamma = 0``, so the
+two sides pay the same overheads and differ only in drafting and verifying. Runs are interleaved
+(plain, then each draft, ``repeats`` times: a busy moment on a shared machine hurts all alike)
+after one short warm-up generation each; times are medians. Greedy speculative decoding must emit
+*exactly* plain greedy decoding's tokens: every timed run is compared with the plain run before it
+and a difference raises :class:`OutputMismatch` (the speed-up of a decoder that changes the output
+means nothing).
+
+What it shows: a step costs one target pass over ``gamma + 1`` tokens, on a GPU about the price
+of a pass over one (decoding reads every weight once per pass, module 05), plus the draft's work.
+On one CPU thread in float32 the pass is not that cheap: after a 140-token prompt SmolLM2's pass
+over one token took 57 ms, over two 87 ms, over three to nine 93 to 113 ms, so there a step must
+emit 1.5 to 2 tokens to break even. Prompt lookup is free, and on the ``edit`` and ``summarise``
+prompts (outputs that copy their prompt) its proposals are often right: several tokens a step. On
+``story`` it rarely is, and each accidental match costs a wider verification. An early exit
+proposes with ``exit`` of 30 blocks *and the whole LM head* (49,152 x 576, a fifth of a target
+step) for each proposal, and SmolLM2's intermediate layers are poor predictors of its output: a
+few percent of the proposals are accepted, so it slows decoding down.
+
+Rows (``provider``): ``plain``, ``n-gram``, ``early exit <k>``; ``tokens_per_s`` and ``ms`` (per
+emitted token, the prompt's prefill included: the same for every provider), ``speedup`` (tokens/s
+over plain's, measured side by side), ``acceptance`` (accepted proposals over proposals made),
+``tokens_per_step``, ``gamma``, ``draft_share`` (the draft's seconds over the generation's),
+``tokens`` and ``steps``. The model runs in float32 on a GPU too: the comparison of tokens needs
+plain decoding (one token a pass) and verification (``gamma + 1`` a pass) to agree on every argmax,
+and the two passes' matmuls have different shapes, hence different roundings: in bfloat16 that
+can flip a near-tie (float32 makes that rare enough to check every token).
+
+``spec_accept_reject`` (a kernel entry): one accept/reject step of speculative *sampling* for a
+batch of ``B`` sequences, ``gamma`` proposals each, a vocabulary of ``V`` (SmolLM2's 49,152 on a
+GPU): the Triton kernel ``llmu.spec.kernels.accept_reject`` against the torch reference
+``llmu.spec.reference.accept_reject``. Per call, counted per sequence (elem = bytes per
+probability)::
+
+    flops = B * (2 * gamma              the accept test u * q(x) < p(x): a multiply, a compare
+                 + 2 * 3 * V)           two passes over the row after the prefix: p - q,
+                                        max(0, .), a running sum (the nominal count: the bonus
+                                        case skips the subtraction)
+    bytes = B * (2 * gamma * elem       p_i(x_i) and q_i(x_i) of the accept test
+                 + 2 * V * elem         the rows at the first rejection, p and q (the bonus reads
+                                        p[gamma] alone: the worst case is counted; the second pass
+                                        re-reads them, mostly from L2, not counted)
+                 + gamma * (8 + 4)      draft ids (int64) and u (float32)
+                 + 4 + 2 * 8)           r (float32); accepted and next token written (int64)
+
+Not the whole of ``p`` ``(B, gamma + 1, V)`` and ``q`` ``(B, gamma, V)``: neither implementation
+reads more than the rows above (the kernel's napkin math, :mod:`llmu.spec.kernels`). The inputs
+are what a step sees: ``p`` the softmax of random logits, ``q`` that of the same logits plus noise
+(a draft that agrees with the target only in part), the proposals drawn from ``q``.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from llmu.bench.registry import Entry, Provider, register
+from llmu.spec import kernels, reference
+from llmu.spec.decode import SpecOutput, speculative_generate
+from llmu.spec.drafts import Draft, EarlyExitDraft, NGramDraft
+
+__all__ = ["SPEC_DECODE", "SPEC_ACCEPT_REJECT", "OutputMismatch", "check_identical", "make_draft",
+           "draft_key", "measure_spec", "accept_reject_setup", "accept_reject_flops", "accept_reject_bytes"]
+
+MODULE = "11_speculative_decoding"
+PLAIN = "plain"
+
+
+class OutputMismatch(RuntimeError):
+    """Greedy speculative decoding emitted other tokens than plain greedy decoding."""
+
+
+def check_identical(expected: Sequence[int], got: Sequence[int], what: str) -> None:
+    """Raise :class:`OutputMismatch` unless ``got`` (speculative, greedy) equals ``expected`` (plain)."""
+    expected, got = [int(t) for t in expected], [int(t) for t in got]
+    if got == expected:
+        return
+    i = next((j for j, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+    raise OutputMismatch(
+        f"{what}: greedy speculative decoding differs from plain greedy decoding at token {i} "
+        f"({len(got)} tokens against {len(expected)}; "
+        f"{got[i] if i < len(got) else 'end'} instead of {expected[i] if i < len(expected) else 'end'})")
+
+
+def make_draft(model, key: str) -> Draft:
+    """The draft named ``key``: ``"ngram"`` (prompt lookup, n = 3..1) or ``"exit<k>"`` (the first
+    ``k`` blocks of ``model``, its norm and LM head)."""
+    if key == "ngram":
+        return NGramDraft(3, 1)
+    m = re.fullmatch(r"exit(\d+)", key) if isinstance(key, str) else None
+    if m is None:
+        raise ValueError(f"draft must be 'ngram' or 'exit<k>' (k blocks, e.g. 'exit4'), got {key!r}")
+    return EarlyExitDraft(model, int(m.group(1)))
+
+
+def draft_key(draft: Draft) -> str:
+    """The key :func:`make_draft` builds ``draft`` from."""
+    if isinstance(draft, EarlyExitDraft):
+        return f"exit{draft.num_layers}"
+    if isinstance(draft, NGramDraft) and (draft.max_ngram, draft.min_ngram) == (3, 1):
+        return "ngram"
+    raise ValueError(f"no key for draft {draft.name!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# spec_decode: plain against speculative decoding, whole model
+# ----------------------------------------------------------------------------------------------
+
+
+def measure_spec(model, prompt: Sequence[int], runs: Mapping[str, tuple[Draft, int]], max_new_tokens: int, *,
+                 eos_token_id: int | None = None, repeats: int = 3) -> dict[str, dict]:
+    """Greedy plain decoding and greedy speculative decoding with each ``runs[name] = (draft, gamma)``,
+    interleaved, ``repeats`` times, after a warm-up of two tokens each.
+
+    Every speculative run's tokens are checked against the plain run's of the same round
+    (:func:`check_identical`). Returns name -> ``tokens``, ``steps``, ``seconds`` (median),
+    ``draft_s`` and ``target_s`` (medians), ``acceptance``, ``tokens_per_step``, ``gamma``; the
+    plain run under ``"plain"``.
+    """
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+    if PLAIN in runs:
+        raise ValueError(f"{PLAIN!r} is the name of the plain run; name the drafts otherwise")
+    everything = {PLAIN: (NGramDraft(), 0), **runs}  # gamma 0: the draft is never asked
+
+    def generate(draft, gamma, n) -> SpecOutput:
+        return speculative_generate(model, draft, prompt, n, gamma=gamma, eos_token_id=eos_token_id)
+
+    for draft, gamma in everything.values():  # first calls allocate
+        generate(draft, gamma, min(2, max_new_tokens))
+    outs: dict[str, list[SpecOutput]] = {name: [] for name in everything}
+    for _ in range(repeats):
+        for name, (draft, gamma) in everything.items():
+            out = generate(draft, gamma, max_new_tokens)
+            if name != PLAIN:
+                check_identical(outs[PLAIN][-1].tokens, out.tokens, f"{name} ({draft.name}, gamma {gamma})")
+            outs[name].append(out)
+    result = {}
+    for name, (_, gamma) in everything.items():
+        runs_ = outs[name]
+        s = runs_[-1].stats  # greedy: every round makes the same steps
+        result[name] = dict(
+            tokens=len(runs_[-1].tokens), steps=s.steps, gamma=gamma,
+            seconds=statistics.median(o.stats.total_s for o in runs_),
+            draft_s=statistics.median(o.stats.draft_s for o in runs_),
+            target_s=statistics.median(o.stats.target_s for o in runs_),
+            acceptance=None if gamma == 0 or not sum(s.proposed) else s.acceptance_rate,
+            tokens_per_step=s.tokens_per_step,
+        )
+    return result
+
+
+def _run(size: dict, device) -> list[dict]:
+    from llmu.models import load_model, load_tokenizer
+    from llmu.spec.prompts import end_token, prompt_ids
+
+    model = load_model(dtype=torch.float32, device=device)
+    tokenizer = load_tokenizer()
+    gamma, exit_layers = size.get("gamma", 6), size.get("exit", 4)
+    runs = {"n-gram": (make_draft(model, "ngram"), gamma),
+            f"early exit {exit_layers}": (make_draft(model, f"exit{exit_layers}"), size.get("exit_gamma", 2))}
+    measured = measure_spec(model, prompt_ids(tokenizer, size.get("prompt", "edit")), runs, size.get("new", 96),
+                            eos_token_id=end_token(tokenizer), repeats=size.get("repeats", 3))
+    base = measured[PLAIN]["tokens"] / measured[PLAIN]["seconds"]
+    rows = []
+    for name, m in measured.items():
+        tps = m["tokens"] / m["seconds"]
+        label = ("plain decoding (gamma = 0)" if name == PLAIN
+                 else f"{runs[name][0].name}, gamma = {m['gamma']}")
+        rows.append(dict(
+            provider=name, label=label, kind="torch", phase="decode", tokens_per_s=tps, ms=1e3 / tps,
+            speedup=tps / base, acceptance=m["acceptance"], tokens_per_step=m["tokens_per_step"],
+            gamma=m["gamma"], draft_share=m["draft_s"] / m["seconds"], tokens=m["tokens"], steps=m["steps"],
+            dtype=torch.float32,
+        ))
+    return rows
+
+
+SPEC_DECODE = register(
+    Entry(
+        name="spec_decode",
+        module=MODULE,
+        description="SmolLM2-135M greedy decode tokens/s on a prompt of llmu.spec.prompts: plain vs speculative "
+                    "with n-gram lookup and with an early exit draft, side by side (identical output enforced)",
+        run=_run,
+        gpu_sizes=[{"prompt": p, "new": 128, "gamma": 6, "exit": 8, "exit_gamma": 2, "repeats": 5}
+                   for p in ("edit", "summarise", "story")],
+        cpu_sizes=[{"prompt": "edit", "new": 16, "gamma": 6, "exit": 4, "exit_gamma": 2, "repeats": 1}],
+        gpu_dtype=torch.float32,
+        x_axis="prompt",
+    )
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# spec_accept_reject: the Triton step against the torch reference
+# ----------------------------------------------------------------------------------------------
+
+
+def accept_reject_setup(size, device, dtype):
+    """``(p, q, draft, u, r)`` for ``B`` sequences, ``gamma`` proposals, ``V`` tokens (seeded)."""
+    b, gamma, v = size["B"], size["gamma"], size["V"]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    logits = torch.randn(b, gamma + 1, v, generator=g) * 3
+    p = logits.softmax(-1)
+    q = (logits[:, :gamma] + torch.randn(b, gamma, v, generator=g)).softmax(-1)
+    draft = torch.multinomial(q.reshape(-1, v), 1, generator=g).reshape(b, gamma)
+    u = torch.rand(b, gamma, generator=g)
+    r = torch.rand(b, generator=g)
+    return (p.to(device=device, dtype=dtype), q.to(device=device, dtype=dtype), draft.to(device),
+            u.to(device), r.to(device))
+
+
+def accept_reject_flops(size) -> float:
+    return float(size["B"] * (2 * size["gamma"] + 2 * 3 * size["V"]))
+
+
+def accept_reject_bytes(size, elem: int) -> float:
+    b, gamma, v = size["B"], size["gamma"], size["V"]
+    return float(b * (2 * gamma * elem + 2 * v * elem + gamma * (8 + 4) + 4 + 2 * 8))
+
+
+SPEC_ACCEPT_REJECT = register(
+    Entry(
+        name="spec_accept_reject",
+        module=MODULE,
+        description="one accept/reject step of speculative sampling for a batch (B sequences, gamma proposals, "
+                    "V tokens): the fused Triton kernel vs the torch reference",
+        providers={
+            "llmu triton": Provider(kernels.accept_reject, "triton", "llmu Triton accept/reject (one launch)"),
+            "llmu torch": Provider(reference.accept_reject, "torch", "llmu torch reference (vectorised)"),
+        },
+        setup=accept_reject_setup,
+        flops=accept_reject_flops,
+        bytes=accept_reject_bytes,
+        gpu_sizes=[{"B": b, "gamma": 4, "V": 49152} for b in (1, 8, 32, 128)],
+        cpu_sizes=[{"B": b, "gamma": 4, "V": 4096} for b in (1, 8)],
+        x_axis="B",
+    )
+)
