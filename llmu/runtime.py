@@ -7,6 +7,10 @@ how every kernel of the course can be written, graded and tested on a laptop or 
 The interpreter is switched on by the environment variable ``TRITON_INTERPRET=1``, and Triton reads
 it when a kernel is *defined*. This module therefore sets it before anything in llmu imports
 triton: ``import llmu`` imports this module first. A value the user set is always respected.
+
+It also keeps notebooks inside small memory limits (Binder and Colab give 2 GB or so): in an
+IPython kernel, :func:`trim_memory` runs after every cell and returns the heap memory that freed
+tensors leave behind to the operating system.
 """
 
 from __future__ import annotations
@@ -107,3 +111,47 @@ def environment() -> Environment:
         triton_mode=_MODE,
         user_setting=USER_SETTING,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory: give freed memory back after each notebook cell
+# ---------------------------------------------------------------------------------------------
+
+def trim_memory() -> bool:
+    """Return the heap memory Python and torch have freed to the operating system (glibc only).
+
+    glibc's ``malloc`` keeps freed blocks for reuse instead of unmapping them, and a cell that
+    builds and drops a quantized model or a window of logits leaves hundreds of MB of such blocks:
+    the process still *counts* them (its resident memory), which is what a 2 GB Binder or Colab
+    limit measures. ``malloc_trim(0)`` hands every whole free page back. Returns whether it ran.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, ...): nothing to do
+        return False
+    trim(0)
+    return True
+
+
+_TRIM_HOOKED = False
+
+
+def _hook_trim_after_cells() -> None:
+    """In an IPython kernel, run :func:`trim_memory` after every cell (a few milliseconds)."""
+    global _TRIM_HOOKED
+    if _TRIM_HOOKED:
+        return
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+    if shell is None or not hasattr(shell, "events"):
+        return
+    shell.events.register("post_run_cell", lambda *_: trim_memory())
+    _TRIM_HOOKED = True
+
+
+_hook_trim_after_cells()

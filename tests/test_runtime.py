@@ -110,3 +110,38 @@ def test_in_process_helpers_are_consistent():
 def test_this_process_runs_kernels_on_cpu():
     assert os.environ.get("TRITON_INTERPRET") not in (None, "", "0")
     assert str(runtime.kernel_device()) == "cpu"
+
+
+def test_trim_memory_returns_freed_heap_on_glibc():
+    import sys
+
+    import llmu.runtime as rt
+
+    ran = rt.trim_memory()
+    assert ran == (sys.platform.startswith("linux") and _glibc())
+
+
+def _glibc() -> bool:
+    import platform
+
+    return platform.libc_ver()[0] == "glibc"
+
+
+def test_trim_hook_registers_once_in_an_ipython_shell(monkeypatch):
+    import types
+
+    import llmu.runtime as rt
+
+    registered = []
+    shell = types.SimpleNamespace(events=types.SimpleNamespace(register=lambda event, fn: registered.append((event, fn))))
+    fake_ipython = types.SimpleNamespace(get_ipython=lambda: shell)
+    monkeypatch.setitem(__import__("sys").modules, "IPython", fake_ipython)
+    monkeypatch.setattr(rt, "_TRIM_HOOKED", False)
+    rt._hook_trim_after_cells()
+    rt._hook_trim_after_cells()
+    assert [event for event, _ in registered] == ["post_run_cell"]
+    registered[0][1](object())  # the callback takes IPython's result argument and runs
+    monkeypatch.setattr(rt, "_TRIM_HOOKED", False)
+    fake_ipython.get_ipython = lambda: None  # a plain Python process: nothing registered
+    rt._hook_trim_after_cells()
+    assert len(registered) == 1

@@ -59,6 +59,10 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
+#: rows of logits per cross-entropy call (the log-softmax temporary is rows x V floats)
+_CE_ROWS = 128
+
+
 @torch.no_grad()
 def token_nlls(model, ids, *, window: int = 512, stride: int = 256, max_batch_tokens: int = 2048) -> torch.Tensor:
     """Negative log-likelihood (nats, float64) of tokens ``1 .. N-1`` of ``ids``, shape ``(N-1,)``.
@@ -95,7 +99,11 @@ def token_nlls(model, ids, *, window: int = 512, stride: int = 256, max_batch_to
             # logits at position p predict token p + 1: rows first-1 .. e-2 predict first .. e-1
             pred = logits[row, first - 1 - b:e - 1 - b]
             target = batch[row, first - b:e - b]
-            nll[first - 1:e - 1] = F.cross_entropy(pred, target, reduction="none").double().cpu()
+            # in slices of rows: the log-softmax of a whole window would be another (T, V) tensor
+            for j in range(0, pred.shape[0], _CE_ROWS):
+                rows = slice(first - 1 + j, min(first - 1 + j + _CE_ROWS, e - 1))
+                nll[rows] = F.cross_entropy(pred[j:j + _CE_ROWS], target[j:j + _CE_ROWS],
+                                            reduction="none").double().cpu()
     return nll
 
 

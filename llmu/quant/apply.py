@@ -85,12 +85,20 @@ def quantize_model(model: nn.Module, method: str = "rtn", bits: int = 4, *, grou
 def _copy_without(model: nn.Module, replaced) -> nn.Module:
     """A deep copy of ``model`` in which the float weights of the ``replaced`` layers are *shared*
     with the original instead of copied: they are about to be replaced by codes anyway, and copying
-    them first would double the model's memory for nothing (2 GB Binder machines notice)."""
+    them first would double the model's memory for nothing (2 GB Binder machines notice).
+
+    The token embedding (and the LM head tied to it) is shared too, as a new ``Parameter`` over the
+    same storage: no method here writes to it, it is the largest float matrix left after
+    quantization (113 MB for SmolLM2 in float32), and a new ``Parameter`` keeps ``copy.to(dtype)``
+    from converting the original's."""
     memo = {}
     for linear in replaced:
         for t in (getattr(linear, "weight", None), getattr(linear, "bias", None)):
             if t is not None:
                 memo[id(t)] = t
+    embedding = getattr(getattr(model, "embed_tokens", None), "weight", None)
+    if isinstance(embedding, nn.Parameter) and id(embedding) not in memo:
+        memo[id(embedding)] = nn.Parameter(embedding.data, requires_grad=embedding.requires_grad)
     return copy.deepcopy(model, memo)
 
 
