@@ -1,0 +1,381 @@
+"""Mixture-of-Experts in PyTorch: routing, capacity, auxiliary losses, and the loop-over-experts layer.
+
+An MoE feed-forward replaces one SwiGLU MLP with ``E`` of them (the *experts*) and a *router*, a
+linear map ``W_r`` of shape ``(E, H)``. For each token ``x_t``:
+
+.. math::
+
+    p_t = \\operatorname{softmax}(W_r x_t) \\in \\mathbb{R}^E, \\qquad
+    S_t = \\operatorname{top\\text{-}k}(p_t), \\qquad
+    y_t = \\sum_{e \\in S_t} g_{t,e}\\, \\operatorname{MLP}_e(x_t),
+
+with gate weights ``g_{t,e} = p_{t,e}`` (Switch Transformer, ``k = 1``) or
+``g_{t,e} = p_{t,e} / \\sum_{e' \\in S_t} p_{t,e'}`` (*renormalised*, as in Mixtral, ``k = 2``).
+Each token pays for ``k`` MLPs while the layer holds ``E`` of them: parameters grow with ``E``,
+FLOPs per token with ``k``.
+
+Three training-time additions, all here:
+
+- **capacity** (:func:`expert_capacity`, :func:`dispatch_mask`): with a fixed buffer of
+  ``C = ceil(capacity_factor * T * k / E)`` slots per expert, the assignments an expert receives
+  beyond ``C`` are *dropped* (their contribution is 0; the residual connection around the layer
+  carries the token on);
+- **load balancing** (:func:`load_balancing_loss`): pushes the router to spread tokens evenly;
+- **router z-loss** (:func:`router_z_loss`): keeps the router's logits small.
+
+:func:`moe_reference` is the specification the Triton path (``llmu.moe.kernels``) is tested
+against: it loops over the experts, gathers each one's tokens, runs its MLP and scatter-adds the
+weighted outputs. :class:`MoEFeedForward` wraps it (or the Triton path) as an ``nn.Module``.
+
+Weight layout: ``nn.Linear``'s ``(out, in)`` per expert, stacked along a leading expert axis:
+``w_gate``, ``w_up`` are ``(E, F, H)`` and ``w_down`` is ``(E, H, F)``, so ``w_gate[e]`` is exactly
+what ``llmu.layers.reference.swiglu`` takes as ``w_gate``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from llmu.checks import require_positive
+from llmu.layers.reference import swiglu
+
+__all__ = [
+    "router_probs", "top_k_route", "expert_capacity", "expert_positions", "dispatch_mask",
+    "load_balancing_loss", "router_z_loss", "MoEAux", "route", "moe_reference", "check_moe_inputs",
+    "MoEFeedForward", "IMPLS",
+]
+
+#: The values ``MoEFeedForward(impl=...)`` accepts (``None`` picks one, see the class).
+IMPLS = ("torch", "triton")
+
+
+# ----------------------------------------------------------------------------------------------
+# Routing
+# ----------------------------------------------------------------------------------------------
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32 at least (float64 stays float64, for gradient checks)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def router_probs(logits: torch.Tensor) -> torch.Tensor:
+    """``softmax(logits)`` over the last (expert) dimension, in float32 (softmax in bf16 would
+    round probabilities that decide which experts win; float64 stays float64)."""
+    return torch.softmax(_wide(logits), dim=-1)
+
+
+def top_k_route(logits: torch.Tensor, k: int, *, renormalize: bool = True):
+    """Softmax gating with top-``k`` selection.
+
+    ``logits``: ``(T, E)``. Returns ``(weights, experts, probs)``:
+
+    - ``probs`` ``(T, E)`` float32: ``softmax(logits)``;
+    - ``experts`` ``(T, k)`` int64: the ``k`` most probable experts of each token, most probable
+      first (ties in ``torch.topk``'s order);
+    - ``weights`` ``(T, k)`` float32: their probabilities ``p_{t,e}``, divided by their sum when
+      ``renormalize`` (Mixtral; the ``k`` weights then sum to 1), raw otherwise (Switch, ``k = 1``:
+      the weight is ``p_{t,e} < 1``, which is how the router's gradient reaches its logits).
+    """
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be (T, E), got shape {tuple(logits.shape)}")
+    num_experts = logits.shape[-1]
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= num_experts:
+        raise ValueError(f"k must be an int with 1 <= k <= E (the number of experts); got k={k!r}, E={num_experts}")
+    probs = router_probs(logits)
+    weights, experts = probs.topk(k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts, probs
+
+
+# ----------------------------------------------------------------------------------------------
+# Capacity and dropping
+# ----------------------------------------------------------------------------------------------
+
+
+def expert_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float) -> int:
+    """Slots per expert: ``C = ceil(capacity_factor * T * k / E)``.
+
+    ``T * k / E`` is what each expert receives under perfect balance; ``capacity_factor`` (1.0 to
+    2.0 in Switch/GShard) is the headroom for imbalance. A tiny tolerance (1e-9 of a slot) keeps
+    float rounding from adding a slot, e.g. ``1.1 * 10 = 11.000000000000002`` gives 11, not 12.
+    Raises ``ValueError`` ("capacity below one token") when the factor leaves no slot, which with
+    the ceiling means ``capacity_factor <= 0`` or ``num_tokens == 0``.
+    """
+    require_positive("num_experts", num_experts, integer=True)
+    require_positive("k", k, integer=True)
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) \
+            or not math.isfinite(capacity_factor):
+        raise ValueError(f"capacity_factor must be a finite number, got {capacity_factor!r}")
+    ideal = capacity_factor * num_tokens * k / num_experts
+    capacity = math.ceil(ideal - 1e-9) if ideal > 0 else 0
+    if capacity < 1:
+        raise ValueError(f"capacity below one token: capacity_factor={capacity_factor!r} with T={num_tokens}, "
+                         f"k={k}, E={num_experts} gives ceil({ideal:g}) = {capacity} slots per expert")
+    return capacity
+
+
+def expert_positions(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``(T, k)`` int64: the arrival rank of each assignment at its expert (0 = first).
+
+    Assignments arrive in *token order*: ``(t, j)`` before ``(t', j')`` when ``t < t'`` (a
+    token's ``k`` experts are distinct, so ``j`` never breaks a tie). This is the order of the
+    flattened ``(T, k)`` tensor, and a running count (``cumsum`` of one-hot rows) gives the rank.
+    """
+    flat = experts.reshape(-1)
+    one_hot = F.one_hot(flat, num_experts)                     # (T*k, E)
+    rank = one_hot.cumsum(dim=0).gather(1, flat[:, None]) - 1  # arrivals so far at my expert, minus me
+    return rank.view(experts.shape)
+
+
+def dispatch_mask(experts: torch.Tensor, num_experts: int, capacity: int | None) -> torch.Tensor:
+    """``(T, k)`` bool: which assignments are kept when each expert holds ``capacity`` slots.
+
+    An expert takes its assignments in token order (position priority, as in Switch Transformer
+    and GShard) until its ``capacity`` slots are full; the later ones are dropped. So the earlier
+    tokens of a sequence always get through and the last ones are the first to lose an expert.
+    ``capacity=None``: no limit, everything is kept. (GShard's top-2 gives every first choice
+    priority over every second choice; here a token's choices share its place in the queue,
+    which is the same thing for ``k = 1``.)
+    """
+    if capacity is None:
+        return torch.ones(experts.shape, dtype=torch.bool, device=experts.device)
+    return expert_positions(experts, num_experts) < capacity
+
+
+# ----------------------------------------------------------------------------------------------
+# Auxiliary losses
+# ----------------------------------------------------------------------------------------------
+
+
+def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int,
+                        alpha: float = 0.01) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss (Fedus et al. 2021, eqs. 4-6), generalised to top-k.
+
+    .. math::
+
+        L_{\\text{bal}} = \\alpha\\, E \\sum_{i=1}^{E} f_i\\, P_i, \\qquad
+        f_i = \\frac{1}{T k} \\sum_{t, j} [\\text{expert}_{t,j} = i], \\qquad
+        P_i = \\frac{1}{T} \\sum_t p_{t,i}.
+
+    Convention: ``f`` counts each of the ``k`` choices of a token (so ``sum(f) = 1`` for every
+    ``k``), *before* capacity dropping. ``f`` comes from an ``argmax``/``topk`` and carries no
+    gradient; ``P`` does, and the gradient lowers the probability of the experts that receive
+    the most tokens. Under perfect balance (``f_i = P_i = 1/E``) the loss is exactly ``alpha``;
+    when every token goes to one expert with probability near 1 it approaches ``alpha * E``.
+    ``probs``: ``(T, E)``; ``experts``: ``(T, k)``. Returns a scalar (float32, or float64 for float64 ``probs``).
+    """
+    if probs.ndim != 2 or probs.shape[-1] != num_experts:
+        raise ValueError(f"probs must be (T, E={num_experts}), got shape {tuple(probs.shape)}")
+    if experts.ndim != 2 or experts.shape[0] != probs.shape[0]:
+        raise ValueError(f"experts must be (T={probs.shape[0]}, k), got shape {tuple(experts.shape)}")
+    if probs.shape[0] == 0:  # no tokens: nothing to balance (and a mean over nothing would be nan)
+        return _wide(probs).sum() * 0.0
+    counts = torch.bincount(experts.reshape(-1), minlength=num_experts).to(_wide(probs).dtype)
+    f = counts / max(experts.numel(), 1)
+    P = _wide(probs).mean(dim=0)
+    return alpha * num_experts * (f * P).sum()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's router z-loss (Zoph et al. 2022): ``mean_t (logsumexp_i logits_{t,i})^2``.
+
+    Softmax ignores a constant added to all logits, so nothing else stops them from drifting
+    large, where bf16 rounds them coarsely and the exponentials overflow. Penalising the squared
+    log-partition keeps them near zero. (ST-MoE weighs it by 1e-3 in the total loss.)
+    """
+    lse = torch.logsumexp(_wide(logits), dim=-1)
+    return lse.pow(2).mean() if lse.numel() else lse.sum()   # no tokens: 0, not nan
+
+
+# ----------------------------------------------------------------------------------------------
+# The layer
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MoEAux:
+    """What one MoE forward decided, for the losses and for plots.
+
+    ``logits`` ``(T, E)`` and ``probs`` ``(T, E)``: the router's; ``experts`` ``(T, k)`` int64 and
+    ``weights`` ``(T, k)``: the top-k choices and their gate weights (not zeroed for dropped
+    ones); ``tokens_per_expert`` ``(E,)`` int64: assignments routed to each expert *before*
+    dropping (the router's demand); ``dropped`` ``(T, k)`` bool: assignments over capacity (all
+    False without a capacity); ``capacity``: slots per expert or None; ``lb_loss`` (with
+    ``alpha = 0.01``) and ``z_loss``: differentiable scalars. Floating tensors are float32
+    (float64 for float64 inputs).
+    """
+
+    logits: torch.Tensor
+    probs: torch.Tensor
+    experts: torch.Tensor
+    weights: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    dropped: torch.Tensor
+    capacity: int | None
+    lb_loss: torch.Tensor
+    z_loss: torch.Tensor
+
+    @property
+    def kept(self) -> torch.Tensor:
+        """``(T, k)`` bool: the assignments that were computed."""
+        return ~self.dropped
+
+    @property
+    def num_dropped(self) -> int:
+        return int(self.dropped.sum())
+
+
+def check_moe_inputs(x, router_weight, w_gate, w_up, w_down, k) -> tuple[int, int, int]:
+    """Shapes of an MoE call; returns ``(E, H, F)`` or raises ``ValueError`` naming the argument."""
+    for name, t in (("x", x), ("router_weight", router_weight), ("w_gate", w_gate), ("w_up", w_up),
+                    ("w_down", w_down)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if x.ndim < 1:
+        raise ValueError("x must be (..., H), got a scalar")
+    hidden = x.shape[-1]
+    if router_weight.ndim != 2 or router_weight.shape[1] != hidden:
+        raise ValueError(f"router_weight must be (E, H={hidden}), got shape {tuple(router_weight.shape)}")
+    num_experts = router_weight.shape[0]
+    if num_experts < 1:
+        raise ValueError("router_weight must have at least one expert (row)")
+    if w_gate.ndim != 3 or w_gate.shape[0] != num_experts or w_gate.shape[2] != hidden:
+        raise ValueError(f"w_gate must be (E={num_experts}, F, H={hidden}), got shape {tuple(w_gate.shape)}")
+    ffn = w_gate.shape[1]
+    if w_up.shape != w_gate.shape:
+        raise ValueError(f"w_up must have w_gate's shape {tuple(w_gate.shape)}, got {tuple(w_up.shape)}")
+    if w_down.shape != (num_experts, hidden, ffn):
+        raise ValueError(f"w_down must be (E={num_experts}, H={hidden}, F={ffn}), got shape {tuple(w_down.shape)}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= num_experts:
+        raise ValueError(f"k must be an int with 1 <= k <= E (the number of experts); got k={k!r}, E={num_experts}")
+    return num_experts, hidden, ffn
+
+
+def route(x2: torch.Tensor, router_weight: torch.Tensor, k: int, *, renormalize: bool = True,
+          capacity_factor: float | None = None, alpha: float = 0.01) -> MoEAux:
+    """The router half of an MoE layer on ``x2`` ``(T, H)``: logits (float32), top-k, capacity,
+    losses. Shared by :func:`moe_reference` and the Triton path, so both take the same decisions."""
+    num_experts = router_weight.shape[0]
+    logits = _wide(x2) @ _wide(router_weight).T
+    weights, experts, probs = top_k_route(logits, k, renormalize=renormalize)
+    capacity = None
+    if capacity_factor is not None and x2.shape[0] > 0:
+        capacity = expert_capacity(x2.shape[0], num_experts, k, capacity_factor)
+    elif capacity_factor is not None:
+        expert_capacity(1, num_experts, k, capacity_factor)  # still refuse a factor that gives no slot
+    kept = dispatch_mask(experts, num_experts, capacity)
+    return MoEAux(
+        logits=logits, probs=probs, experts=experts, weights=weights,
+        tokens_per_expert=torch.bincount(experts.reshape(-1), minlength=num_experts),
+        dropped=~kept, capacity=capacity,
+        lb_loss=load_balancing_loss(probs, experts, num_experts, alpha),
+        z_loss=router_z_loss(logits),
+    )
+
+
+def moe_reference(x, router_weight, w_gate, w_up, w_down, k: int, *, renormalize: bool = True,
+                  capacity_factor: float | None = None):
+    """The MoE feed-forward, one expert at a time: ``(y, aux)``.
+
+    ``x``: ``(..., H)``; ``router_weight``: ``(E, H)``; ``w_gate``, ``w_up``: ``(E, F, H)``;
+    ``w_down``: ``(E, H, F)``. ``y`` has ``x``'s shape and dtype; ``aux`` is a :class:`MoEAux`.
+
+    For each expert ``e``: find the kept assignments ``(t, j)`` with ``experts[t, j] == e``,
+    gather those rows of ``x``, run ``swiglu(x_e, w_gate[e], w_up[e], w_down[e])``, and add
+    ``weights[t, j] * out`` into row ``t`` of ``y`` (accumulated in float32; float64 inputs in
+    float64). A dropped assignment adds nothing; the other choice of the same token keeps its
+    weight (no re-normalisation after dropping). Differentiable in ``x``, every weight and the router.
+    """
+    check_moe_inputs(x, router_weight, w_gate, w_up, w_down, k)
+    num_experts = router_weight.shape[0]
+    x2 = x.reshape(-1, x.shape[-1])
+    aux = route(x2, router_weight, k, renormalize=renormalize, capacity_factor=capacity_factor)
+    kept = ~aux.dropped
+    y = torch.zeros(x2.shape, dtype=_wide(x2).dtype, device=x.device)
+    for e in range(num_experts):
+        # Step 1: which (token, choice) pairs go to expert e
+        tok, slot = torch.nonzero((aux.experts == e) & kept, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        # Step 2: gather their rows and run the expert's SwiGLU MLP
+        out = swiglu(x2[tok], w_gate[e], w_up[e], w_down[e])
+        # Step 3: scatter-add the gate-weighted outputs back to their tokens
+        y = y.index_add(0, tok, out.to(y.dtype) * aux.weights[tok, slot, None].to(y.dtype))
+    return y.to(x.dtype).view(x.shape), aux
+
+
+class MoEFeedForward(nn.Module):
+    """An MoE SwiGLU feed-forward: a router and ``num_experts`` experts of width ``intermediate``.
+
+    Parameters: ``router`` (``nn.Linear(hidden, num_experts, bias=False)``), ``w_gate``,
+    ``w_up`` ``(E, F, H)`` and ``w_down`` ``(E, H, F)``, initialised like ``nn.Linear``
+    (uniform in ``±1/sqrt(fan_in)``). ``forward(x)`` takes ``(..., hidden)``, returns the same
+    shape and keeps the routing decisions and losses in ``self.last_aux`` (a :class:`MoEAux`;
+    add ``last_aux.lb_loss`` and ``last_aux.z_loss`` to the training loss).
+
+    ``impl``: ``"torch"`` (:func:`moe_reference`), ``"triton"`` (``llmu.moe.kernels.moe_triton``:
+    permute, grouped GEMMs, unpermute), or ``None``: Triton when kernels are compiled on a GPU and
+    the input is there, torch otherwise (on CPU the interpreter runs every program in numpy: slow).
+    Both paths are differentiable and take the same routing decisions.
+    """
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, k: int, renormalize: bool = True,
+                 capacity_factor: float | None = None, impl: str | None = None, dtype=None, device=None):
+        super().__init__()
+        require_positive("hidden", hidden, integer=True)
+        require_positive("intermediate", intermediate, integer=True)
+        require_positive("num_experts", num_experts, integer=True)
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= num_experts:
+            raise ValueError(f"k must be an int with 1 <= k <= E (the number of experts); got k={k!r}, E={num_experts}")
+        if impl is not None and impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
+        if capacity_factor is not None:
+            expert_capacity(1, num_experts, k, capacity_factor)  # refuse a factor that gives no slot now
+        kw = dict(dtype=dtype, device=device)
+        self.hidden, self.intermediate, self.num_experts, self.k = hidden, intermediate, num_experts, k
+        self.renormalize, self.capacity_factor, self.impl = renormalize, capacity_factor, impl
+        self.router = nn.Linear(hidden, num_experts, bias=False, **kw)
+        self.w_gate = nn.Parameter(torch.empty(num_experts, intermediate, hidden, **kw))
+        self.w_up = nn.Parameter(torch.empty(num_experts, intermediate, hidden, **kw))
+        self.w_down = nn.Parameter(torch.empty(num_experts, hidden, intermediate, **kw))
+        self.last_aux: MoEAux | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self.router.reset_parameters()
+        for w in (self.w_gate, self.w_up, self.w_down):
+            bound = 1.0 / math.sqrt(w.shape[-1])
+            nn.init.uniform_(w, -bound, bound)
+
+    def resolved_impl(self, x: torch.Tensor) -> str:
+        """The path ``forward(x)`` takes (see ``impl`` in the class docstring)."""
+        if self.impl is not None:
+            return self.impl
+        from llmu import runtime
+
+        return "triton" if (not runtime.interpreting() and x.is_cuda) else "torch"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        args = (x, self.router.weight, self.w_gate, self.w_up, self.w_down, self.k)
+        kw = dict(renormalize=self.renormalize, capacity_factor=self.capacity_factor)
+        if self.resolved_impl(x) == "triton":
+            from llmu.moe.kernels import moe_triton
+
+            y, aux = moe_triton(*args, **kw)
+        else:
+            y, aux = moe_reference(*args, **kw)
+        self.last_aux = aux
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"hidden={self.hidden}, intermediate={self.intermediate}, num_experts={self.num_experts}, "
+                f"k={self.k}, renormalize={self.renormalize}, capacity_factor={self.capacity_factor}, impl={self.impl}")
