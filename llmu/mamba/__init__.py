@@ -1,0 +1,17 @@
+"""Mamba and selective state spaces (course module 13).
+
+- :mod:`llmu.mamba.reference`: the torch definitions. ``discretize`` (zero-order hold for ``A``,
+  the reference's ``Δ B u`` for ``B``) and ``zoh_discretize`` (the exact hold for ``B`` too); three
+  ways to run the recurrence ``x_t = exp(Δ_t A) x_{t-1} + Δ_t B_t u_t``, ``y_t = C_t · x_t``:
+  ``selective_scan_sequential`` (a loop over time, the specification), ``selective_scan_parallel``
+  (a parallel prefix scan with the associative operator ``combine``, Hillis–Steele or
+  Blelloch, differentiable) and
+  ``selective_state_step`` (one step, for decoding with constant memory).
+- :mod:`llmu.mamba.kernels`: ``selective_scan_triton``, the chunked Triton scan that keeps the
+  state in registers (forward only).
+- :mod:`llmu.mamba.block`: ``MambaBlock`` (in_proj, causal conv, selective SSM, gate, out_proj;
+  ``forward``, ``step``, ``allocate_state``) and ``MambaLM``, a tiny language model for CPU training.
+
+Semantics follow ``selective_scan_ref`` published with the Mamba paper (Gu & Dao, 2023). This
+package imports nothing on its own, so that the torch parts can be used without importing Triton.
+"""
