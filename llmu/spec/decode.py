@@ -73,13 +73,12 @@ class ContiguousTarget:
 
 
 def _target_cache(target, kind: str, max_len: int, block_size: int):
-    if kind == "contiguous":
-        return ContiguousTarget(target, max_len)
+    """The target cache of ``kind`` (one of :data:`CACHES`, checked by the caller)."""
     if kind == "paged":
         from llmu.spec.paged import PagedTarget
 
         return PagedTarget(target, max_len, block_size=block_size)
-    raise ValueError(f"cache must be one of {CACHES}, got {kind!r}")
+    return ContiguousTarget(target, max_len)
 
 
 @dataclass
