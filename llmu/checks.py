@@ -7,7 +7,7 @@ which raise ``TypeError``/``ValueError`` messages that name the argument and wha
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -82,6 +82,19 @@ def require_positive(name: str, value, *, integer: bool = False):
     if not value > 0:
         raise ValueError(f"{name} must be positive, got {value!r}")
     return value
+
+
+def require_size(size, keys: tuple[str, ...]) -> tuple[int, ...]:
+    """The positive ints ``size[key]`` for ``key`` in ``keys``, in that order (a benchmark size dict),
+    or TypeError/ValueError naming the missing or bad key."""
+    if not isinstance(size, Mapping):
+        raise TypeError(f"size must be a dict with keys {keys}, got {type(size).__name__}")
+    missing = [key for key in keys if key not in size]
+    if missing:
+        raise ValueError(f"size must have keys {keys}; missing {missing} in {dict(size)}")
+    for key in keys:
+        require_positive(f"size[{key!r}]", size[key], integer=True)
+    return tuple(size[key] for key in keys)
 
 
 def require_power_of_two(name: str, value: int) -> int:

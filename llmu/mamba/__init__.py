@@ -10,7 +10,15 @@
 - :mod:`llmu.mamba.kernels`: ``selective_scan_triton``, the chunked Triton scan that keeps the
   state in registers (forward only).
 - :mod:`llmu.mamba.block`: ``MambaBlock`` (in_proj, causal conv, selective SSM, gate, out_proj;
-  ``forward``, ``step``, ``allocate_state``) and ``MambaLM``, a tiny language model for CPU training.
+  ``forward``, ``step``, ``allocate_state``; ``selective=False`` fixes Δ, B and C, the
+  time-invariant ablation) and ``MambaLM``, a tiny language model for CPU training.
+- :mod:`llmu.mamba.tasks`: the selective-copying task of the Mamba paper and plain copying
+  (seeded batches, loss and accuracy on the answer positions only).
+- :mod:`llmu.mamba.train`: a small ``MambaLM`` and a same-size attention model (llmu's Llama
+  decoder) trained on those tasks on CPU (``train_copying``).
+- :mod:`llmu.mamba.picture`: the Blelloch scan recorded round by round, and the figure the
+  notebook's slider draws.
+- :mod:`llmu.mamba.bench`: the ``mamba_selective_scan`` benchmark entry (the scan beside attention).
 
 Semantics follow ``selective_scan_ref`` published with the Mamba paper (Gu & Dao, 2023). This
 package imports nothing on its own, so that the torch parts can be used without importing Triton.

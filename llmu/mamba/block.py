@@ -10,9 +10,18 @@ One block (Gu & Dao, 2023; ``mamba_ssm/modules/mamba_simple.py``), for an input 
     y      = selective_scan(x, Δ, A, B, C, D, z)  A = -exp(A_log), gated by silu(z)
     out    = out_proj(y)                          E -> H   (no bias)
 
+**Time-invariant ablation** (``selective=False``): the S4-like SSM the paper compares Mamba with
+(its section 4.1.1). ``x_proj`` and ``dt_proj`` are gone; ``Δ`` is one learnt number per channel
+(``dt_bias``, through the same softplus), ``B`` and ``C`` are learnt ``N``-vectors shared by every
+channel, the same at every step. The convolution, the gate ``z`` and the skip ``D`` stay, so the
+only difference from the selective block is that ``Δ``, ``B`` and ``C`` no longer see the token:
+the SSM is a fixed convolution kernel, whatever the sequence holds.
+
 ``A_log`` starts at ``log(1..N)`` for every channel (the "S4D-real" initialisation: ``A_n = -n``,
 decay rates spread over a range of time scales); ``D`` starts at ones; ``dt_proj``'s bias is set so
-that ``softplus(bias)`` is log-uniform in ``[dt_min, dt_max]`` (steps between 0.001 and 0.1).
+that ``softplus(bias)`` is log-uniform in ``[dt_min, dt_max]`` (steps between 0.001 and 0.1); the
+time-invariant block's ``dt_bias`` starts the same way, its ``B`` at ones and ``C`` at
+``N(0, 1 / N)``.
 
 Decoding needs no cache that grows with the sequence: per block a **conv state** (the last
 ``d_conv`` inputs of the convolution, ``(B, E, d_conv)``) and an **SSM state** (``(B, E, N)``
@@ -21,7 +30,7 @@ float32). :meth:`MambaBlock.step` consumes one token and returns the new states;
 prompt can be prefilled in one parallel pass and continued step by step.
 
 :class:`MambaLM`: embedding, ``n_layers`` blocks each as ``h = h + block(rms_norm(h))``, a final
-RMSNorm and a head tied to the embedding.
+RMSNorm and a head tied to the embedding (``selective=False``: every block time-invariant).
 """
 
 from __future__ import annotations
@@ -59,8 +68,11 @@ class MambaBlock(nn.Module):
 
     def __init__(self, d_model: int, d_state: int = 16, d_conv: int = 4, expand: int = 2,
                  dt_rank: int | str = "auto", dt_min: float = 0.001, dt_max: float = 0.1,
-                 dt_init_floor: float = 1e-4):
+                 dt_init_floor: float = 1e-4, selective: bool = True):
         super().__init__()
+        if not isinstance(selective, bool):
+            raise TypeError(f"selective must be a bool, got {type(selective).__name__}")
+        self.selective = selective
         self.d_model, self.d_state, self.d_conv = d_model, d_state, d_conv
         self.d_inner = expand * d_model
         self.dt_rank = math.ceil(d_model / 16) if dt_rank == "auto" else int(dt_rank)
@@ -68,24 +80,43 @@ class MambaBlock(nn.Module):
 
         self.in_proj = nn.Linear(d_model, 2 * E, bias=False)
         self.conv1d = nn.Conv1d(E, E, kernel_size=d_conv, groups=E, padding=d_conv - 1, bias=True)
-        self.x_proj = nn.Linear(E, self.dt_rank + 2 * N, bias=False)
-        self.dt_proj = nn.Linear(self.dt_rank, E, bias=True)
+        if selective:
+            self.x_proj = nn.Linear(E, self.dt_rank + 2 * N, bias=False)
+            self.dt_proj = nn.Linear(self.dt_rank, E, bias=True)
         self.out_proj = nn.Linear(E, d_model, bias=False)
 
         # Δ: dt_proj's weight small, its bias the inverse softplus of a log-uniform step
-        std = self.dt_rank ** -0.5
-        nn.init.uniform_(self.dt_proj.weight, -std, std)
+        if selective:
+            std = self.dt_rank ** -0.5
+            nn.init.uniform_(self.dt_proj.weight, -std, std)
         dt = torch.exp(torch.rand(E) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
         dt = dt.clamp(min=dt_init_floor)
-        with torch.no_grad():
-            self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))   # softplus^-1(dt)
+        dt_bias = dt + torch.log(-torch.expm1(-dt))                      # softplus^-1(dt)
+        if selective:
+            with torch.no_grad():
+                self.dt_proj.bias.copy_(dt_bias)
+        else:
+            # time-invariant: Δ per channel, B and C one N-vector each, none of them sees the token
+            self.dt_bias = nn.Parameter(dt_bias)
+            self.B = nn.Parameter(torch.ones(N))
+            self.C = nn.Parameter(torch.randn(N) * N ** -0.5)
         # S4D-real: A = -(1, 2, ..., N) for every channel, stored as log so that A stays negative
         self.A_log = nn.Parameter(torch.log(torch.arange(1, N + 1, dtype=torch.float32)).repeat(E, 1))
         self.D = nn.Parameter(torch.ones(E))
 
+    @property
+    def delta_bias(self) -> torch.Tensor:
+        """``(E,)``: the step's bias, added to Δ before the softplus inside the scan."""
+        return self.dt_proj.bias if self.selective else self.dt_bias
+
     def _ssm_inputs(self, x: torch.Tensor):
         """``x`` ``(..., E)`` after the conv -> ``(Δ, B, C)``: Δ ``(..., E)`` before bias and
-        softplus, B and C ``(..., N)``."""
+        softplus, B and C ``(..., N)``. Time-invariant: Δ is zero (the step is the bias alone) and
+        B, C are the learnt vectors, the same for every position."""
+        if not self.selective:
+            lead = x.shape[:-1]
+            return (x.new_zeros(*lead, self.d_inner), self.B.expand(*lead, self.d_state),
+                    self.C.expand(*lead, self.d_state))
         dbc = self.x_proj(x)
         dt, B, C = torch.split(dbc, [self.dt_rank, self.d_state, self.d_state], dim=-1)
         return F.linear(dt, self.dt_proj.weight), B, C    # the bias goes to the scan (delta_bias)
@@ -105,10 +136,14 @@ class MambaBlock(nn.Module):
         x_conv_in = x
         x = F.silu(self.conv1d(x)[..., :L])                          # causal: keep the first L outputs
         dt, B, C = self._ssm_inputs(x.transpose(1, 2))               # (B, L, E), (B, L, N) x 2
+        if self.selective:
+            B, C = B.transpose(1, 2).contiguous(), C.transpose(1, 2).contiguous()   # (B, N, L)
+        else:
+            # the scan's time-invariant form: (D, N), one row per channel, the same at every step
+            B, C = self.B.expand(self.d_inner, -1), self.C.expand(self.d_inner, -1)
         A = -torch.exp(self.A_log.float())
-        y = scan(x, dt.transpose(1, 2).contiguous(), A, B.transpose(1, 2).contiguous(),
-                 C.transpose(1, 2).contiguous(), D=self.D.float(), z=z,
-                 delta_bias=self.dt_proj.bias.float(), delta_softplus=True,
+        y = scan(x, dt.transpose(1, 2).contiguous(), A, B, C, D=self.D.float(), z=z,
+                 delta_bias=self.delta_bias.float(), delta_softplus=True,
                  return_last_state=return_state)
         if return_state:
             y, ssm_state = y
@@ -144,7 +179,7 @@ class MambaBlock(nn.Module):
         A = -torch.exp(self.A_log.float())
         y, ssm_state = reference.selective_state_step(
             ssm_state, x, dt, A, B, C, D=self.D.float(), z_t=z,
-            delta_bias=self.dt_proj.bias.float(), delta_softplus=True)
+            delta_bias=self.delta_bias.float(), delta_softplus=True)
         out = self.out_proj(y)
         return (out[:, None] if squeeze else out), conv_state, ssm_state
 
@@ -165,11 +200,12 @@ class MambaLM(nn.Module):
     """A tiny Mamba language model: embedding, pre-norm residual blocks, final norm, tied head."""
 
     def __init__(self, vocab_size: int, d_model: int = 64, n_layers: int = 2, d_state: int = 16,
-                 d_conv: int = 4, expand: int = 2):
+                 d_conv: int = 4, expand: int = 2, selective: bool = True):
         super().__init__()
         self.embedding = nn.Embedding(vocab_size, d_model)
         nn.init.normal_(self.embedding.weight, std=0.02)
-        self.blocks = nn.ModuleList(MambaBlock(d_model, d_state, d_conv, expand) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(MambaBlock(d_model, d_state, d_conv, expand, selective=selective)
+                                    for _ in range(n_layers))
         self.norms = nn.ModuleList(RMSNorm(d_model) for _ in range(n_layers))
         self.norm_f = RMSNorm(d_model)
 

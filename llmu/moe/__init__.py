@@ -12,6 +12,15 @@
   one launch over ragged groups; ``grouped_gemm_dw`` its weight gradient), ``unpermute`` (the
   gate-weighted combine), and ``moe_triton`` (permute -> grouped GEMM gate/up -> SwiGLU ->
   grouped GEMM down -> unpermute), forward and backward.
+- ``params``: total and active parameters and FLOPs per token of dense and MoE decoders
+  (``count_parameters``, ``flops_per_token``, ``with_experts``; Mixtral-8x7B's 46.7B / 12.9B).
+- ``train``: a small byte-level MoE language model trained on CPU, recording every expert's load
+  at every step (``train``, ``load_stats``), for the collapse-versus-balance experiment.
+- ``bench``: the ``moe_grouped_gemm``, ``moe_grouped_gemm_fine`` and ``moe_layer`` entries.
+- ``expert_parallel``: the same layer with its experts spread over ``W`` ``torch.distributed``
+  processes (``ExpertParallelMoE``, ``expert_parallel_moe``): tokens go to their experts' ranks
+  and back by two all-to-all exchanges, forward and backward; ``launch(demo, 2)`` (from
+  ``llmu.distributed``) runs it on two gloo processes and returns the traffic matrix.
 
 This package imports nothing on its own, so that ``llmu.moe.reference`` can be used without
 importing Triton.

@@ -234,8 +234,13 @@ class MoEAux:
         return int(self.dropped.sum())
 
 
-def check_moe_inputs(x, router_weight, w_gate, w_up, w_down, k) -> tuple[int, int, int]:
-    """Shapes of an MoE call; returns ``(E, H, F)`` or raises ``ValueError`` naming the argument."""
+def check_moe_inputs(x, router_weight, w_gate, w_up, w_down, k, *, world_size: int = 1) -> tuple[int, int, int]:
+    """Shapes of an MoE call; returns ``(E, H, F)`` or raises ``ValueError`` naming the argument.
+
+    ``router_weight`` is the full ``(E, H)`` router. With ``world_size`` ``W > 1`` (expert
+    parallelism, ``llmu.moe.expert_parallel``) the expert weights are one rank's slice of
+    ``E / W`` experts; otherwise all ``E``.
+    """
     for name, t in (("x", x), ("router_weight", router_weight), ("w_gate", w_gate), ("w_up", w_up),
                     ("w_down", w_down)):
         if not isinstance(t, torch.Tensor):
@@ -248,13 +253,19 @@ def check_moe_inputs(x, router_weight, w_gate, w_up, w_down, k) -> tuple[int, in
     num_experts = router_weight.shape[0]
     if num_experts < 1:
         raise ValueError("router_weight must have at least one expert (row)")
-    if w_gate.ndim != 3 or w_gate.shape[0] != num_experts or w_gate.shape[2] != hidden:
-        raise ValueError(f"w_gate must be (E={num_experts}, F, H={hidden}), got shape {tuple(w_gate.shape)}")
+    require_positive("world_size", world_size, integer=True)
+    if num_experts % world_size:
+        raise ValueError(f"num_experts={num_experts} is not divisible by world_size={world_size}: "
+                         f"every rank must hold the same number of experts")
+    held = num_experts // world_size
+    experts = f"E={held}" if world_size == 1 else f"E/W={held}"        # all, or this rank's slice
+    if w_gate.ndim != 3 or w_gate.shape[0] != held or w_gate.shape[2] != hidden:
+        raise ValueError(f"w_gate must be ({experts}, F, H={hidden}), got shape {tuple(w_gate.shape)}")
     ffn = w_gate.shape[1]
     if w_up.shape != w_gate.shape:
         raise ValueError(f"w_up must have w_gate's shape {tuple(w_gate.shape)}, got {tuple(w_up.shape)}")
-    if w_down.shape != (num_experts, hidden, ffn):
-        raise ValueError(f"w_down must be (E={num_experts}, H={hidden}, F={ffn}), got shape {tuple(w_down.shape)}")
+    if w_down.shape != (held, hidden, ffn):
+        raise ValueError(f"w_down must be ({experts}, H={hidden}, F={ffn}), got shape {tuple(w_down.shape)}")
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= num_experts:
         raise ValueError(f"k must be an int with 1 <= k <= E (the number of experts); got k={k!r}, E={num_experts}")
     return num_experts, hidden, ffn

@@ -24,6 +24,12 @@ def _gemv_phase(size: dict) -> tuple[str, str]:
                       f"a batch of {b} sequences decoding together: intensity about {b}x a GEMV's")
 
 
+def _moe_phase(size: dict) -> tuple[str, str]:
+    t, k, e = size["T"], size["k"], size["E"]
+    return "prefill", (f"{t} tokens, {k} of {e} experts each: about {t * k / e:.0f} tokens per read of an "
+                       "expert's weights (a decode batch of a few sequences gives each expert one or two)")
+
+
 #: entry name -> rule(size) -> (phase, note). Entries not listed are classified by
 #: :func:`phase_of` from how their intensity changes with size.
 PHASES: dict[str, Callable[[dict], tuple[str, str]]] = {
@@ -34,6 +40,9 @@ PHASES: dict[str, Callable[[dict], tuple[str, str]]] = {
                                     ("prefill", f"{s['Q']} queries share each read of the table")),
     "attention_naive": lambda s: ("prefill", f"{s['T']} queries against {s['T']} keys (decode would be "
                                              "1 query against T cached keys: module 06)"),
+    "moe_grouped_gemm": _moe_phase,
+    "moe_grouped_gemm_fine": _moe_phase,
+    "moe_layer": _moe_phase,
 }
 
 

@@ -6,6 +6,10 @@ convolution's window, so that the conv state's zero padding is exercised. The th
 the same block output. Tolerance: float32 outputs of order 1 after the projections, computed with
 the same operations in another order (the convolution as a dot product instead of ``conv1d``,
 the scan as a loop or a prefix scan): ``1e-5``.
+
+The time-invariant block (``selective=False``, the paper's S4-like ablation) must pass the same
+checks, and its SSM must be exactly a causal convolution with the kernel ``K_j = Σ_n C_n Ā^j Δ B_n``
+(computed here directly from its parameters).
 """
 
 from __future__ import annotations
@@ -20,10 +24,10 @@ from llmu.mamba.block import MambaBlock, MambaLM
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def block():
+@pytest.fixture(scope="module", params=[True, False], ids=["selective", "time_invariant"])
+def block(request):
     torch.manual_seed(0)
-    return MambaBlock(16, d_state=4).eval()
+    return MambaBlock(16, d_state=4, selective=request.param).eval()
 
 
 def test_initialisation(block):
@@ -32,10 +36,18 @@ def test_initialisation(block):
     A = -torch.exp(block.A_log)
     torch.testing.assert_close(A, -torch.arange(1.0, N + 1).repeat(E, 1))     # S4D-real
     assert torch.equal(block.D.detach(), torch.ones(E))
-    dt = torch.nn.functional.softplus(block.dt_proj.bias.detach())
-    assert dt.min() >= 1e-4 and dt.max() <= 0.1 + 1e-6                       # Δ in [dt_min, dt_max]
+    dt = torch.nn.functional.softplus(block.delta_bias.detach())
+    assert dt.shape == (E,) and dt.min() >= 1e-4 and dt.max() <= 0.1 + 1e-6  # Δ in [dt_min, dt_max]
     assert block.in_proj.bias is None and block.out_proj.bias is None and block.conv1d.bias is not None
-    assert tuple(block.x_proj.weight.shape) == (block.dt_rank + 2 * N, E)
+    names = {name for name, _ in block.named_parameters()}
+    if block.selective:
+        assert tuple(block.x_proj.weight.shape) == (block.dt_rank + 2 * N, E)
+        assert block.delta_bias is block.dt_proj.bias and not {"dt_bias", "B", "C"} & names
+    else:
+        # no projection computes Δ, B, C from the token: they are parameters of their own
+        assert not any(name.startswith(("x_proj", "dt_proj")) for name in names)
+        assert block.delta_bias is block.dt_bias
+        assert block.B.shape == (N,) and block.C.shape == (N,) and torch.equal(block.B.detach(), torch.ones(N))
 
 
 @pytest.mark.parametrize("impl", ["sequential", "triton"])
@@ -84,8 +96,53 @@ def test_block_is_causal_and_differentiable(block):
     out = block(x)
     out[0, 4].sum().backward()
     assert x.grad[0, 5:].abs().max() == 0 and x.grad[0, :5].abs().max() > 0
-    assert block.A_log.grad is not None and block.dt_proj.bias.grad is not None
+    assert block.A_log.grad is not None and block.delta_bias.grad is not None
+    if not block.selective:
+        assert block.B.grad is not None and block.C.grad is not None
     block.zero_grad()
+
+
+def test_selection_is_what_differs(block):
+    """Δ, B, C of a selective block change with the token; a time-invariant block's do not."""
+    x = torch.randn(2, 5, block.d_inner, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        dt, B, C = block._ssm_inputs(x)
+    assert dt.shape == (2, 5, block.d_inner) and B.shape == C.shape == (2, 5, block.d_state)
+    for t in (dt, B, C):
+        same_everywhere = torch.equal(t, t[:1, :1].expand_as(t))
+        assert same_everywhere != block.selective
+
+
+def test_time_invariant_ssm_is_a_convolution():
+    """selective=False: y = out_proj(((K * x) + D x) silu(z)) with one fixed causal kernel per
+    channel, K_j[d] = Σ_n C_n exp(j Δ_d A_dn) Δ_d B_n, built here from the parameters."""
+    torch.manual_seed(1)
+    blk = MambaBlock(8, d_state=3, selective=False).eval()
+    with torch.no_grad():                              # give B, C, Δ values far from their init
+        blk.B.copy_(torch.tensor([0.5, -1.0, 2.0]))
+        blk.C.copy_(torch.tensor([1.0, 0.3, -0.7]))
+        blk.dt_bias.add_(1.0)
+    L = 10
+    hidden = torch.randn(2, L, 8, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        x, z = blk.in_proj(hidden).transpose(1, 2).chunk(2, dim=1)
+        x = torch.nn.functional.silu(blk.conv1d(x)[..., :L])                 # (B, E, L)
+        delta = torch.nn.functional.softplus(blk.dt_bias)                      # (E,)
+        A = -torch.exp(blk.A_log)                                              # (E, N)
+        lags = torch.arange(L, dtype=torch.float32)
+        K = (blk.C * torch.exp(lags[:, None, None] * delta[:, None] * A) * delta[:, None] * blk.B).sum(-1)  # (L, E)
+        y = torch.zeros_like(x)
+        for t in range(L):
+            for j in range(t + 1):
+                y[..., t] += K[j] * x[..., t - j]
+        y = (y + blk.D[:, None] * x) * torch.nn.functional.silu(z)
+        want = blk.out_proj(y.transpose(1, 2))
+        torch.testing.assert_close(blk(hidden), want, **TOL)
+
+
+def test_selective_must_be_a_bool():
+    with pytest.raises(TypeError, match="^selective must be a bool"):
+        MambaBlock(8, selective="no")
 
 
 def test_block_bad_inputs(block):
@@ -95,9 +152,11 @@ def test_block_bad_inputs(block):
         block(torch.zeros(1, 3, 15))
 
 
-def test_lm_step_equals_forward_and_generate():
+@pytest.mark.parametrize("selective", [True, False], ids=["selective", "time_invariant"])
+def test_lm_step_equals_forward_and_generate(selective):
     torch.manual_seed(0)
-    lm = MambaLM(37, d_model=16, n_layers=2, d_state=4).eval()
+    lm = MambaLM(37, d_model=16, n_layers=2, d_state=4, selective=selective).eval()
+    assert all(block.selective is selective for block in lm.blocks)
     ids = torch.randint(0, 37, (2, 7))
     with torch.no_grad():
         logits = lm(ids)

@@ -1,0 +1,114 @@
+"""Notebook 13's graded exercises, run in-process (no kernel, no model): the instructor's solutions
+pass every test cell, hidden parts included, and typical wrong answers fail them.
+
+The whole notebook (pictures, decode memory with SmolLM2, training, the benchmark) is executed by
+the course-wide notebook tests. Exercise 2 uses exercise 1's ``my_discretize``; exercise 4's kernel
+needs the locked cells around it (the scan operator before it, the launcher after it). Kernels are
+compiled from a file (``course.exec_cell``): Triton reads a kernel's source back.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import llmu  # noqa: F401  (Triton mode first: the exercise kernel is defined below)
+from llmu import course
+
+NOTEBOOK = course.repo_root() / "solutions" / "13_mamba" / "13_mamba.ipynb"
+
+
+@pytest.fixture(scope="module")
+def cells():
+    # Cell metadata (unique grade_ids, points, markers, no outputs) is checked for every notebook
+    # in tests/course/test_notebooks.py; this file runs the exercises.
+    return course.cells_by_grade_id(NOTEBOOK)
+
+
+@pytest.fixture(scope="module")
+def base(cells):
+    return course.setup_namespace(cells)
+
+
+EXERCISES = {
+    # exercise: (solution cell, locked or solution cells before it, after it, test cells)
+    "ex1": ("ex1_solution", [], [], ["test_ex1_visible", "test_ex1_hidden"]),
+    "ex2": ("ex2_solution", ["ex1_solution"], [], ["test_ex2_visible", "test_ex2_hidden"]),
+    "ex3": ("ex3_solution", [], [], ["test_ex3_visible", "test_ex3_hidden"]),
+    "ex4": ("ex4_kernel", ["ex4_helpers"], ["ex4_launcher"], ["test_ex4_visible", "test_ex4_hidden"]),
+}
+
+
+def _prepare(base, cells, exercise, source, tmp_path, name):
+    _, before, after, _ = EXERCISES[exercise]
+    ns = dict(base)
+    for cell in before:
+        course.exec_cell(cells[cell], ns, tmp_path, f"{name}_{cell}")
+    course.exec_cell(source, ns, tmp_path, name)
+    for cell in after:
+        course.exec_cell(cells[cell], ns, tmp_path, f"{name}_{cell}")
+    return ns
+
+
+@pytest.mark.parametrize("exercise", list(EXERCISES))
+def test_solutions_pass_all_tests(exercise, base, cells, tmp_path):
+    solution, _, _, tests = EXERCISES[exercise]
+    ns = _prepare(base, cells, exercise, cells[solution], tmp_path, f"sol_{exercise}")
+    for name in tests:
+        exec(cells[name], ns)  # noqa: S102  (hidden-test markers are comments: the hidden part runs too)
+
+
+WRONG = {
+    # exercise, replaced text, replacement, the test cell that must catch it
+    "ex1: exp(A) without the step": ("ex1", "torch.exp(delta[..., None] * A.float()[None, :, None, :])",
+                                     "torch.exp(A.float()[None, :, None, :]).expand(*delta.shape, A.shape[1])",
+                                     "test_ex1_visible"),
+    "ex1: exp(-ΔA)": ("ex1", "torch.exp(delta[..., None] * A.float()", "torch.exp(-delta[..., None] * A.float()",
+                      "test_ex1_visible"),
+    "ex1: B without Δ": ("ex1", "(delta * u.float())[..., None]", "u.float()[..., None]", "test_ex1_visible"),
+    "ex1: B's time and state axes swapped": ("ex1", "B.float().transpose(1, 2)[:, None]",
+                                              "B.float().reshape(B.shape[0], B.shape[2], B.shape[1])[:, None]",
+                                              "test_ex1_visible"),
+    "ex1: exact zero-order hold for B": ("ex1", "dBu = (delta * u.float())[..., None] * B.float().transpose(1, 2)[:, None]",
+                                         "dBu = (torch.expm1(delta[..., None] * A.float()[None, :, None, :]) / A.float()[None, :, None, :])"
+                                         " * u.float()[..., None] * B.float().transpose(1, 2)[:, None]",
+                                         "test_ex1_visible"),
+    "ex1: every sequence reads sequence 0's B": ("ex1", "B.float().transpose(1, 2)[:, None]",
+                                                  "B.float()[:1].transpose(1, 2)[:, None]", "test_ex1_hidden"),
+    "ex2: state not carried": ("ex2", "x = dA[:, :, t] * x + dBu[:, :, t]", "x = dBu[:, :, t]", "test_ex2_visible"),
+    "ex2: read out before the update": ("ex2", "        x = dA[:, :, t] * x + dBu[:, :, t]\n        ys.append((x * Ct[:, None, t]).sum(-1))",
+                                        "        ys.append((x * Ct[:, None, t]).sum(-1))\n        x = dA[:, :, t] * x + dBu[:, :, t]",
+                                        "test_ex2_visible"),
+    "ex2: softplus before the bias": ("ex2", "    if delta_bias is not None:\n        dt = dt + delta_bias.float()[:, None]\n"
+                                             "    if delta_softplus:\n        dt = F.softplus(dt)",
+                                      "    if delta_softplus:\n        dt = F.softplus(dt)\n"
+                                      "    if delta_bias is not None:\n        dt = dt + delta_bias.float()[:, None]",
+                                      "test_ex2_visible"),
+    "ex2: no D skip": ("ex2", "y = y + D.float()[:, None] * u.float()", "y = y", "test_ex2_visible"),
+    "ex2: gate with sigmoid": ("ex2", "y = y * F.silu(z.float())", "y = y * torch.sigmoid(z.float())", "test_ex2_visible"),
+    "ex2: softplus always": ("ex2", "    if delta_softplus:\n        dt = F.softplus(dt)", "    dt = F.softplus(dt)",
+                             "test_ex2_hidden"),
+    "ex2: output always float32": ("ex2", "out = y.to(u.dtype)", "out = y", "test_ex2_hidden"),
+    "ex3: b parts added": ("ex3", "return a1 * a2, a2 * b1 + b2", "return a1 * a2, b1 + b2", "test_ex3_visible"),
+    "ex3: the other order": ("ex3", "return a1 * a2, a2 * b1 + b2", "return a1 * a2, a1 * b2 + b1", "test_ex3_visible"),
+    "ex3: a parts added": ("ex3", "return a1 * a2, a2 * b1 + b2", "return a1 + a2, a2 * b1 + b2", "test_ex3_visible"),
+    "ex3: b scaled by the left a": ("ex3", "return a1 * a2, a2 * b1 + b2", "return a1 * a2, a1 * b1 + b2",
+                                    "test_ex3_visible"),
+    "ex4: no carried state": ("ex4", "x = P * h[:, None] + S", "x = S", "test_ex4_visible"),
+    "ex4: carry from the chunk's first step": ("ex4", "t_loc[None, :] == CHUNK - 1", "t_loc[None, :] == 0",
+                                               "test_ex4_visible"),
+    "ex4: scan along the state axis": ("ex4", "tl.associative_scan((dA, dBu), 1, scan_op)",
+                                       "tl.associative_scan((dA, dBu), 0, scan_op)", "test_ex4_visible"),
+    "ex4: B and C of sequence 0 for all": ("ex4", "bc = b * N * L", "bc = b * 0", "test_ex4_visible"),
+    "ex4: B u without the step": ("ex4", "dBu = (dt * u)[None, :] * Bt", "dBu = u[None, :] * Bt", "test_ex4_visible"),
+}
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # overflow in the interpreter's numpy for wrong kernels
+@pytest.mark.parametrize("case", list(WRONG))
+def test_wrong_answers_fail(case, base, cells, tmp_path):
+    exercise, old, new, test_cell = WRONG[case]
+    solution, _, _, tests = EXERCISES[exercise]
+    assert old in cells[solution], f"{case}: the solution no longer contains {old!r}"
+    ns = _prepare(base, cells, exercise, cells[solution].replace(old, new), tmp_path,
+                  f"wrong_{exercise}_{abs(hash(case))}")
+    course.expect_test_failure(cells, ns, tests, test_cell)
