@@ -70,7 +70,7 @@ REGISTRY: dict[str, Entry] = {}
 
 # Topic packages that register benchmark entries, in course order.
 TOPICS = ["welcome", "embeddings", "attention", "layers", "models", "roofline", "kvcache", "gqa", "flash", "paged",
-          "quant", "spec", "moe", "mamba", "engine"]
+          "quant", "spec", "moe", "mamba", "parallel", "scale", "engine"]
 
 
 def register(entry: Entry) -> Entry:

@@ -23,7 +23,8 @@ costs about ``2 * (active parameters that multiply)``; the embedding is a table 
 matmul, so it is left out (a tied head still multiplies with the same matrix and counts once, as
 the head). Attention adds what no parameter counts: a token that attends to ``c`` earlier
 positions does ``q . k`` and ``p . v`` for each, ``2 * 2 * n_q * d * c`` FLOPs per layer.
-Element-wise work (norms, softmax, SiLU) is a rounding error next to these and is left out.
+Element-wise work (norms, softmax, SiLU) is a rounding error next to these and is left out; only
+the norms' gains, being parameters, fall inside ``2 * active`` (``2H`` FLOPs per norm: negligible).
 
 Presets, each checked against its published config (``config.json`` of the checkpoint) and the
 figures its authors state:

@@ -1,0 +1,586 @@
+"""ZeRO written out: data parallelism that shards what every replica would otherwise duplicate.
+
+Plain data parallelism (``data_parallel.py``) keeps on **every** rank a full copy of the
+parameters, the gradients and the optimizer states. For a model of ``Ψ`` parameters trained with
+AdamW that is ``(4 + 4 + 8) Ψ = 16 Ψ`` bytes per rank in float32: 4 for the weight, 4 for its
+gradient, 8 for Adam's two moments. ZeRO (Rajbhandari et al., 2020, "ZeRO: Memory Optimizations
+Toward Training Trillion Parameter Models") notices that only the forward and backward need the
+whole model, and removes the duplication in three stages. With ``N`` ranks:
+
+- **stage 1**, optimizer states sharded: each rank updates only its ``1/N`` of the parameters, so
+  it keeps Adam's moments for that part only. Gradients are still all-reduced (every rank holds
+  the full average), each rank updates its part, and an **all-gather** gives everyone the new
+  parameters. Memory ``4Ψ + 4Ψ + 8Ψ/N``.
+- **stage 2**, gradients sharded too: a rank needs only its part's gradient, so the all-reduce
+  becomes a **reduce-scatter** (each rank receives the sum of its part only, half the traffic of an
+  all-reduce), issued as soon as a layer's gradients are complete, and the full gradients are freed
+  right away. Memory ``4Ψ + (4 + 8)Ψ/N``.
+- **stage 3**, parameters sharded too: a rank stores only its ``1/N`` of the weights. A layer's
+  full weights are **all-gathered just before its forward** (a forward pre-hook), freed right
+  after it, gathered again just before its backward (a hook on the gradient of the layer's
+  output), and freed again once its gradients have been reduce-scattered. Memory ``16Ψ/N`` plus one
+  or two layers' full weights at a time. This is what PyTorch's FSDP does.
+
+The paper's formulas are for mixed precision: fp16 weights and gradients (2 + 2 bytes) and
+``K = 12`` bytes of optimizer state per parameter (an fp32 master copy of the weights and the two
+fp32 Adam moments), so baseline ``(2 + 2 + K)Ψ``, stage 1 ``2Ψ + 2Ψ + KΨ/N``, stage 2
+``2Ψ + (2 + K)Ψ/N``, stage 3 ``(2 + 2 + K)Ψ/N``. Here everything is float32: the weights *are* the
+master copy, so the weights cost 4 bytes, the gradients 4 and the optimizer ``K = 8`` (the two
+moments). :func:`zero_memory_formula` computes both settings; :func:`memory_table` lays them out
+for a notebook.
+
+How the sharding is laid out (the "flat parameter" of FSDP and DeepSpeed): the parameters of each
+**unit** (by default every top-level submodule, with ``ModuleList``/``Sequential`` containers
+opened, e.g. the embedding, each decoder layer, the final norm, the LM head) are concatenated
+into one flat float32 buffer, padded with zeros to a multiple of ``N``; rank ``r`` owns the slice
+``[r S, (r+1) S)`` with ``S = padded / N``. The module's parameters become views into the flat
+buffer (``p.data = flat[a:b].view(shape)``), so the model runs unchanged. The owned slices are the
+parameters of an ordinary ``torch.optim.AdamW``: each rank's optimizer only ever sees its shard,
+which is all the optimizer-state sharding there is. AdamW is elementwise, so updating the shards
+separately gives exactly the unsharded update.
+
+Freeing a gathered unit in stage 3 empties the flat buffer's storage
+(``untyped_storage().resize_(0)``) rather than dropping the tensor: autograd saved views of the
+weights for the backward, and they point at the same storage, which the backward's all-gather
+refills before they are read. The parameters' own version counters are untouched (the writes go
+through the flat buffer, a different tensor), so autograd does not complain.
+
+Memory is measured, not estimated: :meth:`ZeRO.memory` adds up the storage sizes of the tensors
+this rank holds right now (parameters, gradients, optimizer states; a storage shared by several
+views counts once), and the wrapper records the peak of that sum during each step (sampled after
+every gather, in every gradient hook while autograd's gradient is still alive, and around the
+update). Activations are not counted: they are the same for every stage.
+
+Call order matters as in any data parallelism: every rank runs the same forward and backward, so
+the collectives issued from the hooks pair up. A unit none of whose parameters received a
+gradient on any rank is skipped; a unit some of whose parameters got none is completed with zeros.
+
+Compared with PyTorch: :func:`fsdp2_train` trains the same model with FSDP2
+(``torch.distributed.fsdp.fully_shard``, one call per unit and one on the root, the same AdamW),
+which runs on CPU with gloo in this PyTorch; the tests check that ZeRO-3 and FSDP2 end at the same
+parameters. FSDP2 shards each parameter along its first dimension (a ``DTensor`` per parameter)
+instead of one flat buffer per unit: a different layout of the same idea.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from llmu.parallel.data_parallel import broadcast_module, next_token_loss, require_process_group, tensors_in
+
+__all__ = ["STAGES", "PRECISIONS", "ZeRO", "FlatUnit", "default_units", "zero_memory_formula", "memory_table",
+           "fsdp2_train", "demo"]
+
+#: 0 is plain data parallelism through the same machinery (the baseline of the table).
+STAGES = (0, 1, 2, 3)
+
+#: Bytes per parameter of (weights, gradients, optimizer states) for AdamW.
+PRECISIONS = {"float32": (4, 4, 8), "mixed": (2, 2, 12)}
+
+# Newer PyTorch names the single-tensor collectives *_single; older ones *_tensor.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# ----------------------------------------------------------------------------------------------
+# The formulas
+# ----------------------------------------------------------------------------------------------
+
+
+def zero_memory_formula(num_params: int, world_size: int, stage: int, precision: str = "float32") -> dict:
+    """Bytes per rank for parameters, gradients and optimizer states (and their ``total``) under
+    ZeRO ``stage`` (0 = plain data parallelism), after Rajbhandari et al. 2020.
+
+    ``precision="float32"``: 4-byte weights, 4-byte gradients, 8 bytes of Adam moments.
+    ``precision="mixed"``: the paper's 2 + 2 + K with K = 12 (fp32 master weights + two moments).
+    """
+    for name, value in (("num_params", num_params), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
+    w, g, k = PRECISIONS[precision]
+    n = world_size
+    params = w * num_params / (n if stage >= 3 else 1)
+    grads = g * num_params / (n if stage >= 2 else 1)
+    optimizer = k * num_params / (n if stage >= 1 else 1)
+    return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
+
+
+def memory_table(num_params: int, world_size: int, precision: str = "float32",
+                 measured: dict | None = None) -> list[dict]:
+    """One row per stage: the formula's bytes per rank, and where ``measured`` gives them
+    (``{stage: ZeRO.memory() dict}``), the measured bytes beside them (``measured_*`` keys)."""
+    rows = []
+    for stage in STAGES:
+        row = {"stage": stage, **zero_memory_formula(num_params, world_size, stage, precision)}
+        if measured is not None and stage in measured:
+            row.update({f"measured_{key}": measured[stage][key] for key in ("params", "grads", "optimizer", "total")})
+        rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Units and their flat buffers
+# ----------------------------------------------------------------------------------------------
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def default_units(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, submodule)`` for the top-level submodules that hold trainable parameters, opening
+    ``ModuleList``/``ModuleDict``/``Sequential`` containers (one unit per decoder layer)."""
+
+    def walk(m: nn.Module, prefix: str):
+        for name, child in m.named_children():
+            if isinstance(child, _CONTAINERS):
+                yield from walk(child, f"{prefix}{name}.")
+            elif any(p.requires_grad for p in child.parameters()):
+                yield f"{prefix}{name}", child
+
+    return list(walk(module, ""))
+
+
+@dataclasses.dataclass(eq=False)
+class FlatUnit:
+    """The parameters of one unit as a flat buffer, and this rank's shard of it."""
+
+    name: str
+    module: nn.Module
+    names: list[str]                # the parameters' names in the wrapped module
+    params: list[nn.Parameter]
+    offsets: list[int]
+    numel: int                      # real elements
+    padded: int                     # numel rounded up to a multiple of world_size
+    full: torch.Tensor              # (padded,) all the weights; in stage 3 emptied between uses
+    shard: nn.Parameter             # what this rank's optimizer updates
+    owned: slice                    # the shard's place in the flat buffer
+    full_grad: torch.Tensor | None = None   # (padded,) stages 0-1: kept; 2-3: only during backward
+    ready: int = 0                  # gradients received in this backward
+    gathered: bool = True
+
+
+def _owned_range(stage: int, padded: int, world: int, rank: int) -> slice:
+    if stage == 0:                  # plain data parallelism: everyone updates everything
+        return slice(0, padded)
+    size = padded // world
+    return slice(rank * size, (rank + 1) * size)
+
+
+# ----------------------------------------------------------------------------------------------
+# The wrapper
+# ----------------------------------------------------------------------------------------------
+
+
+class ZeRO(nn.Module):
+    """``module`` trained with AdamW under ZeRO ``stage`` (0-3) on every rank of ``group``.
+
+    Build it on every rank at once: rank 0's weights are broadcast, then each unit's parameters
+    are moved into a flat buffer and sharded. Per step::
+
+        loss = loss_fn(zero(my_shard))      # stage 3 gathers each unit just in time
+        loss.backward()                     # stages 2-3 reduce-scatter each unit when complete
+        zero.step()                         # (all-reduce,) update the shard, (all-gather)
+        zero.zero_grad()
+
+    ``units``: submodules whose parameters form one flat buffer each (default
+    :func:`default_units`); trainable parameters outside them form one more unit around the whole
+    module. All trainable parameters must be float32. ``lr``, ``betas``, ``eps``,
+    ``weight_decay``: ``torch.optim.AdamW``'s.
+
+    Attributes: ``units`` (the :class:`FlatUnit` list), ``optimizer``, ``peak`` (the largest
+    :meth:`memory` seen since the last :meth:`zero_grad`, per category), ``events`` (stage 3:
+    ``(seconds, "gather (forward)" | "gather (backward)" | "free", unit name)`` since the last
+    :meth:`zero_grad`).
+    """
+
+    def __init__(self, module: nn.Module, stage: int, *, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01, units: list[nn.Module] | None = None, group=None):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if isinstance(stage, bool) or stage not in STAGES:
+            raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+        # Step 1: which parameters go in which unit
+        named_units = self._resolve_units(module, units)
+        self.world_size, self.rank = require_process_group(group, "ZeRO")
+        self.module, self.stage, self.group = module, stage, group
+        broadcast_module(module, group)
+        full_names = {p: n for n, p in module.named_parameters()}
+        self.units = [self._flatten(name, unit_module, params, full_names) for name, unit_module, params in named_units]
+        self._where = {p: (u, i) for u in self.units for i, p in enumerate(u.params)}
+
+        # Step 2: the optimizer sees the shards only
+        self.optimizer = torch.optim.AdamW([u.shard for u in self.units], lr=lr, betas=betas, eps=eps,
+                                           weight_decay=weight_decay)
+
+        # Step 3: hooks: gradients into the flat buffers; stage 3 gathers and frees around uses
+        self._handles = [p.register_post_accumulate_grad_hook(self._grad_ready)
+                         for u in self.units for p in u.params]
+        if stage == 3:
+            for u in self.units:
+                self._handles.append(u.module.register_forward_pre_hook(self._before_forward_hook(u)))
+                self._handles.append(u.module.register_forward_hook(self._after_forward_hook(u)))
+        self._t0 = time.perf_counter()
+        self._reduced = False
+        self.events: list[tuple[float, str, str]] = []
+        self.peak = self.memory()
+
+    # -- construction -------------------------------------------------------------------------------
+    @staticmethod
+    def _resolve_units(module, units):
+        if units is None:
+            pairs = default_units(module)
+        else:
+            if not isinstance(units, (list, tuple)) or not all(isinstance(m, nn.Module) for m in units):
+                raise TypeError("units must be a list of submodules of module")
+            names = {id(m): n for n, m in module.named_modules()}
+            missing = [type(m).__name__ for m in units if id(m) not in names]
+            if missing:
+                raise ValueError(f"units must be submodules of module; not found: {missing}")
+            pairs = [(names[id(m)], m) for m in units]
+        owner: dict[nn.Parameter, str] = {}
+        result = []
+        for name, m in pairs:
+            params = []
+            for p in m.parameters():
+                if not p.requires_grad:
+                    continue
+                if p in owner:
+                    raise ValueError(f"a parameter of unit {name!r} also belongs to unit {owner[p]!r} (tied or "
+                                     f"nested units): every trainable parameter must belong to exactly one unit")
+                owner[p] = name
+                params.append(p)
+            if params:
+                result.append((name, m, params))
+        rest = [p for p in module.parameters() if p.requires_grad and p not in owner]
+        if rest:
+            result.append(("<root>", module, rest))
+        if not result:
+            raise ValueError("module has no parameter with requires_grad=True: nothing to train "
+                             "(call module.requires_grad_(True))")
+        for _, _, params in result:
+            for p in params:
+                if p.dtype != torch.float32:
+                    raise TypeError(f"ZeRO here trains float32 parameters; got one of dtype {p.dtype}")
+        return result
+
+    def _flatten(self, name: str, unit_module: nn.Module, params: list[nn.Parameter], full_names: dict) -> FlatUnit:
+        offsets, numel = [], 0
+        for p in params:
+            offsets.append(numel)
+            numel += p.numel()
+        padded = -(-numel // self.world_size) * self.world_size
+        full = torch.zeros(padded, dtype=torch.float32, device=params[0].device)
+        with torch.no_grad():
+            for p, off in zip(params, offsets):
+                full[off:off + p.numel()].copy_(p.reshape(-1))
+        for p, off in zip(params, offsets):
+            p.data = full[off:off + p.numel()].view(p.shape)   # the module now reads the flat buffer
+        owned = _owned_range(self.stage, padded, self.world_size, self.rank)
+        if self.stage == 3:
+            shard = nn.Parameter(full[owned].clone())           # the only persistent copy
+            full.untyped_storage().resize_(0)
+        else:
+            shard = nn.Parameter(full[owned])                   # a view: updates land in the module
+        unit = FlatUnit(name, unit_module, [full_names[p] for p in params], params, offsets, numel, padded,
+                        full, shard, owned, gathered=self.stage != 3)
+        if self.stage <= 1:
+            unit.full_grad = torch.zeros(padded, dtype=torch.float32, device=full.device)
+            shard.grad = unit.full_grad[owned]
+        else:
+            shard.grad = torch.zeros_like(shard)
+        return unit
+
+    # -- sizes ------------------------------------------------------------------------------------
+    @property
+    def num_params(self) -> int:
+        """``Ψ``: trainable parameters."""
+        return sum(u.numel for u in self.units)
+
+    @property
+    def padded_params(self) -> int:
+        """``Ψ`` after padding every unit to a multiple of the world size."""
+        return sum(u.padded for u in self.units)
+
+    # -- stage 3: gather just in time, free after use ---------------------------------------------
+    def _event(self, kind: str, unit: FlatUnit) -> None:
+        self.events.append((time.perf_counter() - self._t0, kind, unit.name))
+
+    def _gather(self, unit: FlatUnit, phase: str) -> None:
+        if unit.gathered:
+            return
+        unit.full.untyped_storage().resize_(unit.padded * unit.full.element_size())
+        _all_gather(unit.full, unit.shard.detach(), group=self.group)
+        unit.gathered = True
+        self._event(f"gather ({phase})", unit)
+        self._sample()
+
+    def _free(self, unit: FlatUnit) -> None:
+        if unit.gathered:
+            unit.full.untyped_storage().resize_(0)
+            unit.gathered = False
+            self._event("free", unit)
+
+    def _before_forward_hook(self, unit: FlatUnit):
+        def hook(module, args) -> None:
+            self._gather(unit, "forward")
+        return hook
+
+    def _after_forward_hook(self, unit: FlatUnit):
+        def hook(module, args, output) -> None:
+            # gather again when the gradient of this unit's output arrives: its backward comes next
+            if torch.is_grad_enabled():
+                for t in tensors_in(output):
+                    if t.requires_grad:
+                        t.register_hook(lambda grad: self._gather(unit, "backward"))
+            self._free(unit)
+        return hook
+
+    # -- gradients --------------------------------------------------------------------------------
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        """Hook: ``p.grad`` is complete. Add it into the unit's flat gradient, free it, and once the
+        whole unit is in, reduce-scatter it (stages 2-3)."""
+        unit, i = self._where[p]
+        if unit.full_grad is None:
+            unit.full_grad = torch.zeros(unit.padded, dtype=torch.float32, device=unit.full.device)
+        with torch.no_grad():
+            unit.full_grad[unit.offsets[i]:unit.offsets[i] + p.numel()].add_(p.grad.reshape(-1))
+        self._sample()                              # autograd's gradient and ours both alive
+        p.grad = None
+        unit.ready += 1
+        if unit.ready == len(unit.params):
+            self._unit_done(unit)
+
+    def _unit_done(self, unit: FlatUnit) -> None:
+        unit.ready = 0
+        if self.stage <= 1:                         # the full gradient stays until the step
+            return
+        # Each rank receives the sum of its own slice only; then the full gradient goes
+        mine = torch.empty_like(unit.shard)
+        _reduce_scatter(mine, unit.full_grad, group=self.group)
+        unit.shard.grad.add_(mine.div_(self.world_size))
+        self._sample()
+        unit.full_grad = None
+        if self.stage == 3:
+            self._free(unit)
+
+    # -- the step ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Finish the gradient communication of this step: stages 0-1 all-reduce the full
+        gradients (and divide by ``W``); stages 2-3 have reduce-scattered every complete unit
+        during the backward and complete the others here. Afterwards ``unit.shard.grad`` holds the
+        average gradient of this rank's shard. :meth:`step` calls it; calling it twice is harmless."""
+        if self._reduced:
+            return
+        for unit in self.units:                     # units some of whose parameters got no gradient
+            if unit.ready:
+                self._unit_done(unit)
+            if self.stage == 3:
+                self._free(unit)
+        if self.stage <= 1:
+            for unit in self.units:
+                dist.all_reduce(unit.full_grad, group=self.group)
+                unit.full_grad.div_(self.world_size)
+        self._reduced = True
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Average the gradients (:meth:`reduce_gradients`), update this rank's shard with AdamW,
+        and give everyone the new weights (stages 1-2: all-gather; stage 3: the next forward
+        gathers them)."""
+        self.reduce_gradients()
+        self.optimizer.step()
+        self._reduced = False
+        self._sample()
+        if self.stage in (1, 2):
+            for unit in self.units:
+                _all_gather(unit.full, unit.shard.detach().clone(), group=self.group)
+
+    def zero_grad(self) -> None:
+        """Clear the gradients (the flat ones and the shards') and start a new peak measurement."""
+        for unit in self.units:
+            if self.stage <= 1:
+                unit.full_grad.zero_()
+            else:
+                unit.full_grad = None
+                unit.shard.grad.zero_()
+            unit.ready = 0
+            for p in unit.params:
+                p.grad = None
+        self._reduced = False
+        self.events = []
+        self._t0 = time.perf_counter()
+        self.peak = self.memory()
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    # -- measuring --------------------------------------------------------------------------------
+    def memory(self) -> dict:
+        """Bytes this rank holds right now: ``params``, ``grads``, ``optimizer`` and ``total``.
+
+        The sum of the storage sizes of the tensors involved (a storage shared by several views is
+        counted once, under the first category that holds it; an emptied stage-3 buffer counts 0).
+        ``optimizer`` counts every tensor of the AdamW state: the two moments and one 4-byte step
+        counter per shard.
+        """
+        seen: set[int] = set()
+
+        def size(tensors) -> int:
+            total = 0
+            for t in tensors:
+                if t is None:
+                    continue
+                storage = t.untyped_storage()
+                if storage.nbytes() and storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+            return total
+
+        params = size([p for u in self.units for p in u.params] + [u.full for u in self.units]
+                      + [u.shard for u in self.units])
+        grads = size([p.grad for u in self.units for p in u.params] + [u.full_grad for u in self.units]
+                     + [u.shard.grad for u in self.units])
+        optimizer = size([t for state in self.optimizer.state.values() for t in state.values()
+                          if isinstance(t, torch.Tensor)])
+        return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
+
+    def _sample(self) -> None:
+        now = self.memory()
+        self.peak = {key: max(self.peak[key], now[key]) for key in now}
+
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """A copy of every trained parameter, full size, by its name in ``module`` (a collective in
+        stage 3: every rank must call it)."""
+        names = {p: n for n, p in self.module.named_parameters()}
+        out = {}
+        for unit in self.units:
+            was_gathered = unit.gathered
+            if self.stage == 3:
+                self._gather(unit, "copy")
+            for p in unit.params:
+                out[names[p]] = p.detach().clone()
+            if self.stage == 3 and not was_gathered:
+                self._free(unit)
+        return out
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient and (stage 3) forward hooks from the module (the wrapper stops working)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def extra_repr(self) -> str:
+        return (f"stage={self.stage}, world_size={self.world_size}, rank={self.rank}, units={len(self.units)}, "
+                f"params={self.num_params} (padded {self.padded_params})")
+
+
+# ----------------------------------------------------------------------------------------------
+# PyTorch's FSDP2, for comparison
+# ----------------------------------------------------------------------------------------------
+
+
+def fsdp2_train(module: nn.Module, batches: list[torch.Tensor], *, lr: float = 1e-3, betas=(0.9, 0.999),
+                eps: float = 1e-8, weight_decay: float = 0.01, units: list[nn.Module] | None = None,
+                loss_fn=next_token_loss, group=None) -> dict[str, torch.Tensor]:
+    """Train ``module`` one AdamW step per batch of ``batches`` (this rank's shards) with PyTorch's
+    FSDP2: ``fully_shard`` on every unit (default :func:`default_units`), then on the root. Returns
+    the full parameters afterwards (``DTensor.full_tensor()``, a collective), by name.
+
+    ``module`` is modified in place (its parameters become ``DTensor`` shards). Rank 0's weights
+    are broadcast first, as :class:`ZeRO` does.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world, _ = require_process_group(group, "FSDP2")
+    broadcast_module(module, group)
+    device_type = next(module.parameters()).device.type
+    mesh = init_device_mesh(device_type, (world,))
+    for m in (units if units is not None else [m for _, m in default_units(module)]):
+        fully_shard(m, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    opt = torch.optim.AdamW(module.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    for batch in batches:
+        loss_fn(module, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    return {name: p.full_tensor().detach().clone() for name, p in module.named_parameters()}
+
+
+# ----------------------------------------------------------------------------------------------
+# For the notebook
+# ----------------------------------------------------------------------------------------------
+
+
+def _tiny_model(seed: int, **overrides) -> nn.Module:
+    from llmu.models import tiny_llama
+
+    return tiny_llama(seed, **overrides).train().requires_grad_(True)
+
+
+def demo(rank: int, world_size: int, steps: int = 3, batch_per_rank: int = 2, seq: int = 33, lr: float = 1e-2,
+         seed: int = 0, stages=STAGES, fsdp2: bool = True, **model_overrides) -> dict:
+    """Every ZeRO stage for a few AdamW steps on a tiny Llama, against the single process.
+
+    Run it with ``llmu.distributed.launch(demo, 2)``. Every rank builds the same model and global
+    batch (``world_size * batch_per_rank`` sequences) from ``seed``, and for each stage trains a
+    ZeRO copy on its shard. Returns a dict: ``num_params`` (Ψ), ``padded_params``, ``units`` (name
+    and size of each flat unit), and per stage ``max_abs_error`` (per step, largest parameter
+    difference from the single process trained on the whole batch), ``memory`` (bytes held after
+    the last step), ``peak`` (the largest during the last step), ``formula`` (the float32 formula
+    for Ψ) and, in stage 3, ``events`` (the gathers and frees of the last step). With ``fsdp2``,
+    ``fsdp2_vs_zero3``: the largest difference between FSDP2's parameters and ZeRO-3's after the
+    last step. ``table``: :func:`memory_table` rows with the measured bytes.
+    """
+    reference = _tiny_model(seed, **model_overrides)
+    ids = torch.randint(reference.config.vocab_size, (world_size * batch_per_rank, seq),
+                        generator=torch.Generator().manual_seed(seed + 1))
+    mine = ids[rank * batch_per_rank:(rank + 1) * batch_per_rank]
+
+    # The single process on the whole batch, parameters after every step
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr)
+    ref_steps = []
+    for _ in range(steps):
+        next_token_loss(reference, ids).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_steps.append({n: p.detach().clone() for n, p in reference.named_parameters()})
+
+    result: dict = {"stages": {}}
+    zero3_final = None
+    for stage in stages:
+        zero = ZeRO(_tiny_model(seed, **model_overrides), stage, lr=lr)
+        errors = []
+        for step in range(steps):
+            zero.zero_grad()
+            next_token_loss(zero, mine).backward()
+            zero.step()
+            events = list(zero.events)              # before full_parameters' own gathers
+            full = zero.full_parameters()
+            errors.append(max((full[n] - ref_steps[step][n]).abs().max().item() for n in full))
+        result["stages"][stage] = {
+            "max_abs_error": errors, "memory": zero.memory(), "peak": dict(zero.peak),
+            "formula": zero_memory_formula(zero.num_params, world_size, stage),
+            "events": events if stage == 3 else None}
+        result.update(num_params=zero.num_params, padded_params=zero.padded_params,
+                      units=[(u.name, u.numel) for u in zero.units])
+        if stage == 3:
+            zero3_final = full
+    if fsdp2 and zero3_final is not None:
+        fsdp = fsdp2_train(_tiny_model(seed, **model_overrides), [mine] * steps, lr=lr)
+        result["fsdp2_vs_zero3"] = max((fsdp[n] - zero3_final[n]).abs().max().item() for n in fsdp)
+    result["table"] = memory_table(result["num_params"], world_size,
+                                   measured={s: r["memory"] for s, r in result["stages"].items()})
+    return result

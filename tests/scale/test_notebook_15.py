@@ -1,0 +1,106 @@
+"""Notebook 15's graded exercises, run in-process (no kernel): the instructor's solutions pass every
+test cell, hidden parts included, and typical wrong answers fail them.
+
+The setup cell runs once for the module (it loads no model). Exercise 3's visible test reads the
+notebook's measured training run (``run``, ``roof``, ``local_mfu`` of the ``mfu_live`` cell); here a
+run of a one-layer model of a few steps stands in for it, against a stated peak. The whole notebook
+(measurements, widgets, the engine, the benchmark) is executed by the course-wide notebook tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import llmu  # noqa: F401
+from llmu import course
+from llmu.roofline import Roof
+from llmu.scale import mfu as mfu_lib
+
+NOTEBOOK = course.repo_root() / "solutions" / "15_scale" / "15_scale.ipynb"
+
+
+@pytest.fixture(scope="module")
+def cells():
+    # Cell metadata (unique grade_ids, points, markers, no outputs) is checked for every notebook
+    # in tests/course/test_notebooks.py; this file runs the exercises.
+    return course.cells_by_grade_id(NOTEBOOK)
+
+
+@pytest.fixture(scope="module")
+def base(cells):
+    ns = course.setup_namespace(cells)
+    run = mfu_lib.train_run(mfu_lib.byte_llama_config(64, 1, max_len=32), batch=2, seq_len=32, steps=4)
+    roof = Roof("stated peak", peak_flops=1e10, bandwidth=1e10)
+    ns.update(run=run, roof=roof, local_mfu=run.mfu(roof.peak_flops))
+    return ns
+
+
+EXERCISES = {
+    # exercise: (solution cell, test cells)
+    "ex1": ("ex1_solution", ["test_ex1_visible", "test_ex1_hidden"]),
+    "ex2": ("ex2_solution", ["test_ex2_visible", "test_ex2_hidden"]),
+    "ex3": ("ex3_solution", ["test_ex3_visible", "test_ex3_hidden"]),
+    "ex4": ("ex4_solution", ["test_ex4_visible", "test_ex4_hidden"]),
+}
+
+
+def _prepare(base, source):
+    ns = dict(base)
+    exec(source, ns)  # noqa: S102
+    return ns
+
+
+@pytest.mark.parametrize("exercise", list(EXERCISES))
+def test_solutions_pass_all_tests(exercise, base, cells):
+    solution, tests = EXERCISES[exercise]
+    ns = _prepare(base, cells[solution])
+    for name in tests:
+        exec(cells[name], ns)  # noqa: S102  (hidden-test markers are comments: the hidden part runs too)
+
+
+WRONG = {
+    # exercise, replaced text, replacement, the test cell that must catch it
+    "ex1: forward only (2 per parameter)": ("ex1", "per_token = 6 * n_matmul", "per_token = 2 * n_matmul",
+                                            "test_ex1_visible"),
+    "ex1: no attention": ("ex1", "per_token = 6 * n_matmul + 6 * shape.num_hidden_layers * d_attn * (seq_len + 1)",
+                          "per_token = 6 * n_matmul", "test_ex1_visible"),
+    "ex1: T instead of T + 1": ("ex1", "(seq_len + 1)", "seq_len", "test_ex1_visible"),
+    "ex1: tied head dropped": ("ex1", "if not shape.tie_word_embeddings:", "if True:", "test_ex1_visible"),
+    "ex1: untied embedding counted": ("ex1", "if not shape.tie_word_embeddings:", "if False:", "test_ex1_hidden"),
+    "ex1: d_attn = hidden_size": ("ex1", "d_attn = shape.num_attention_heads * shape.head_dim",
+                                  "d_attn = shape.hidden_size", "test_ex1_hidden"),
+    "ex2: exponents swapped": ("ex2", "n = g * (flops / 6) ** (fit.beta / s)", "n = g * (flops / 6) ** (fit.alpha / s)",
+                               "test_ex2_visible"),
+    "ex2: 20 tokens per parameter": ("ex2",
+                                     "n = g * (flops / 6) ** (fit.beta / s)\n    d = (flops / 6) ** (fit.alpha / s) / g",
+                                     "n = math.sqrt(flops / 120)\n    d = 20 * n", "test_ex2_visible"),
+    "ex2: C instead of C/6": ("ex2", "n = g * (flops / 6) ** (fit.beta / s)", "n = g * flops ** (fit.beta / s)",
+                              "test_ex2_visible"),
+    "ex2: G inverted": ("ex2", "g = (fit.alpha * fit.A / (fit.beta * fit.B))",
+                        "g = (fit.beta * fit.B / (fit.alpha * fit.A))", "test_ex2_visible"),
+    "ex2: bad budget accepted": ("ex2",
+                                 '    if not flops > 0:\n        raise ValueError(f"flops must be positive, got {flops}")\n',
+                                 "", "test_ex2_hidden"),
+    "ex3: warm-up kept": ("ex3", "times = list(step_seconds)[warmup:]", "times = list(step_seconds)",
+                          "test_ex3_visible"),
+    "ex3: peak over achieved": ("ex3", "return flops_per_step / statistics.median(times) / peak_flops",
+                                "return peak_flops / (flops_per_step / statistics.median(times))", "test_ex3_visible"),
+    "ex3: mean step time": ("ex3", "statistics.median(times)", "statistics.mean(times)", "test_ex3_hidden"),
+    "ex3: fastest step": ("ex3", "statistics.median(times)", "min(times)", "test_ex3_hidden"),
+    "ex4: batch ignored": ("ex4", "tokens_per_s = batch / max(memory_s, compute_s)",
+                           "tokens_per_s = 1 / max(memory_s, compute_s)", "test_ex4_visible"),
+    "ex4: dollars per second": ("ex4", "dollars_per_hour / (3600 * tokens_per_s) * 1e6",
+                                "dollars_per_hour / tokens_per_s * 1e6", "test_ex4_visible"),
+    "ex4: KV cache ignored": ("ex4", "(weights + batch * context * kv)", "weights", "test_ex4_hidden"),
+    "ex4: one cache for the batch": ("ex4", "batch * context * kv", "context * kv", "test_ex4_hidden"),
+    "ex4: compute roof ignored": ("ex4", "max(memory_s, compute_s)", "memory_s", "test_ex4_hidden"),
+}
+
+
+@pytest.mark.parametrize("case", list(WRONG))
+def test_wrong_answers_fail(case, base, cells):
+    exercise, old, new, test_cell = WRONG[case]
+    solution, tests = EXERCISES[exercise]
+    assert old in cells[solution], f"{case}: the solution no longer contains {old!r}"
+    ns = _prepare(base, cells[solution].replace(old, new))
+    course.expect_test_failure(cells, ns, tests, test_cell)
