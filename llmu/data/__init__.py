@@ -20,14 +20,22 @@ low; what the course reads from it are *differences* between versions of the sam
 ``json(name)`` reads the precomputed results shipped next to the texts (``gqa_perplexity`` from
 ``python -m llmu.gqa.precompute``, ``quant_perplexity`` from ``benchmarks/quant_perplexity.py``,
 ``spec_acceptance`` from ``benchmarks/spec_acceptance.py``).
+
+``json("sft_examples")`` and ``json("preference_pairs")`` are module 04's small instruction and
+preference sets, written for this repository. :func:`byte_tokens` turns a text into the token ids
+of a byte-level model, which the course's small training runs use.
 """
 
 from __future__ import annotations
 
 import json as _json
 from importlib import resources
+from typing import TYPE_CHECKING
 
-__all__ = ["text", "names", "json"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["text", "names", "json", "byte_tokens"]
 
 
 def _folder():
@@ -44,6 +52,16 @@ def text(name: str = "essays") -> str:
     if name not in names():
         raise ValueError(f"no text named {name!r}; available: {names()}")
     return (_folder() / f"{name}.txt").read_text(encoding="utf-8")
+
+
+def byte_tokens(text: str) -> torch.Tensor:
+    """The UTF-8 bytes of ``text`` as an int64 tensor: the token ids of a byte-level model
+    (vocabulary 256), which the course's small training runs use to skip a tokenizer."""
+    import torch
+
+    if not isinstance(text, str) or not text:
+        raise ValueError("text must be a non-empty str")
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.int64)
 
 
 def json(name: str):

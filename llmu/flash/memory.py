@@ -19,15 +19,26 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["peak_bytes"]
+__all__ = ["peak_bytes", "LiveBytes"]
 
 
-class _LiveBytes(TorchDispatchMode):
-    def __init__(self):
+class LiveBytes(TorchDispatchMode):
+    """A context manager that counts the bytes of tensor storage created inside it; ``.peak`` is
+    the largest total alive at one time.
+
+    ``exclude``: tensors that exist already (a call's inputs). Their storages count as zero bytes,
+    so that a view of one (a transpose, a slice, autograd's saved alias) is not mistaken for new
+    memory.
+    """
+
+    def __init__(self, exclude=()):
         super().__init__()
         self.refs: dict[int, list] = {}      # storage address -> [bytes, number of live tensors]
         self.current = 0
         self.peak = 0
+        for t in exclude:                    # one reference that is never released: always 0 bytes
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() != 0:
+                self.refs[t.untyped_storage().data_ptr()] = [0, 1]
 
     def _release(self, key):
         entry = self.refs.get(key)
@@ -58,8 +69,8 @@ class _LiveBytes(TorchDispatchMode):
 
 def peak_bytes(fn, *args, **kwargs) -> tuple[object, int]:
     """Run ``fn(*args, **kwargs)`` and return ``(result, peak)``: the most bytes of tensors created
-    by the call that were alive at the same time (the inputs are not counted)."""
-    tracker = _LiveBytes()
+    by the call that were alive at the same time (the inputs, and views of them, are not counted)."""
+    tracker = LiveBytes(exclude=tree_flatten((args, kwargs))[0])
     with tracker:
         result = fn(*args, **kwargs)
     return result, tracker.peak

@@ -6,9 +6,8 @@ Two models of about the same parameter count:
   or, with ``selective=False``, the time-invariant ablation (a few hundred parameters fewer);
 - :func:`attention_model`: the course's own Llama decoder (``llmu.models.LlamaModel``: RoPE,
   grouped-query attention, SwiGLU, RMSNorm, tied head) built from a small ``LlamaConfig``. That
-  model is meant for loading checkpoints, so it starts with uninitialised weights that do not
-  require grad; :class:`AttentionLM` initialises them (normal, std 0.02; norm gains 1) and makes
-  them trainable.
+  model is meant for loading checkpoints, so :class:`AttentionLM` builds it with
+  ``llmu.models.make_trainable`` (fresh weights, normal with std 0.02, norm gains 1, gradients on).
 
 :func:`train_copying` runs AdamW on fresh batches of a task from ``llmu.mamba.tasks`` (a new batch
 every step, drawn from a seeded generator), with the loss on the answer positions only, and
@@ -27,7 +26,7 @@ from torch import nn
 
 from llmu.mamba import tasks
 from llmu.mamba.block import MambaLM
-from llmu.models import LlamaConfig, LlamaModel
+from llmu.models import LlamaConfig, make_trainable
 
 __all__ = ["AttentionLM", "TrainingRun", "mamba_model", "attention_model", "num_parameters", "train_copying",
            "TASKS"]
@@ -41,15 +40,7 @@ class AttentionLM(nn.Module):
 
     def __init__(self, config: LlamaConfig, seed: int = 0):
         super().__init__()
-        self.model = LlamaModel(config)
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                if p.ndim == 1:                        # RMSNorm gains (and biases, if any: none here)
-                    p.fill_(1.0 if name.endswith("norm.weight") or "layernorm" in name else 0.0)
-                else:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-        self.model.requires_grad_(True)
+        self.model = make_trainable(config, seed=seed)
 
     @property
     def config(self) -> LlamaConfig:

@@ -19,7 +19,7 @@ from llmu.models.config import LlamaConfig
 from llmu.models.generate import Generation, GenerationStats, generate, generate_ids, stream_generate
 from llmu.models.gguf_file import GGUFFile, model_path
 from llmu.models.hf_loader import load_hf_checkpoint
-from llmu.models.llama import Linear, LlamaModel, ModelOutput, tiny_llama
+from llmu.models.llama import Linear, LlamaModel, ModelOutput, make_trainable, tiny_llama
 from llmu.models.loading import load_model
 from llmu.models.quants import dequantize
 from llmu.models.sampling import SamplingParams
@@ -48,4 +48,5 @@ __all__ = [
     "model_path",
     "register_attention_backend",
     "tiny_llama",
+    "make_trainable",
 ]

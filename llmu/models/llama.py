@@ -377,6 +377,30 @@ TINY_CONFIG = dict(vocab_size=97, hidden_size=48, intermediate_size=64, num_hidd
                    num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=False)
 
 
+def make_trainable(config: LlamaConfig, seed: int = 0, *, std: float = 0.02, device=None,
+                   dtype=torch.float32) -> LlamaModel:
+    """A ``LlamaModel`` of ``config`` with fresh weights, in train mode with gradients on.
+
+    llmu builds its models for inference (parameters created with ``requires_grad=False``); this is
+    the one place that makes one to train from scratch: matrices ``N(0, std²)`` (GPT-2's
+    initialisation, ``std = 0.02``) drawn from a generator seeded with ``seed`` in parameter order,
+    norm gains 1 and biases 0.
+    """
+    if not isinstance(config, LlamaConfig):
+        raise TypeError(f"config must be an llmu LlamaConfig, got {type(config).__name__}")
+    if isinstance(std, bool) or not isinstance(std, (int, float)) or not std > 0:
+        raise ValueError(f"std must be a positive number, got {std!r}")
+    model = LlamaModel(config, dtype=dtype, device=device)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:                          # biases start at 0, RMSNorm gains at 1
+                p.fill_(0.0 if name.endswith("bias") else 1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g).mul_(std))
+    return model.train().requires_grad_(True)
+
+
 def tiny_llama(seed: int = 0, *, scale: float = 0.2, **overrides) -> LlamaModel:
     """A small decoder with random weights (seeded), in eval mode: for tests and quick experiments.
 

@@ -49,7 +49,7 @@ from llmu.checks import require_positive
 from llmu.layers.reference import apply_rope, rms_norm, rope_angles
 from llmu.moe.reference import MoEFeedForward, load_balancing_loss
 
-__all__ = ["TinyMoEConfig", "TinyMoELM", "TrainResult", "byte_tokens", "train", "load_stats"]
+__all__ = ["TinyMoEConfig", "TinyMoELM", "TrainResult", "train", "load_stats"]
 
 
 @dataclass
@@ -148,13 +148,6 @@ class TinyMoELM(nn.Module):
         return [block.moe.last_aux for block in self.blocks]
 
 
-def byte_tokens(text: str) -> torch.Tensor:
-    """The UTF-8 bytes of ``text`` as an int64 tensor: the token ids of a byte-level model."""
-    if not isinstance(text, str) or not text:
-        raise ValueError("text must be a non-empty str")
-    return torch.tensor(list(text.encode("utf-8")), dtype=torch.int64)
-
-
 @dataclass
 class TrainResult:
     """What :func:`train` measured.
@@ -222,7 +215,7 @@ def train(aux_weight: float = 0.01, z_weight: float = 0.0, *, steps: int = 300, 
     steps of 16 windows of 64 bytes, AdamW at ``lr = 3e-3``, a few seconds each on one CPU thread.
     Returns a :class:`TrainResult`.
     """
-    from llmu.data import text as load_text
+    from llmu.data import byte_tokens, text as load_text
 
     for name, value in (("aux_weight", aux_weight), ("z_weight", z_weight)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:

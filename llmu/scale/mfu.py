@@ -39,13 +39,12 @@ import torch
 import torch.nn.functional as F
 
 from llmu.checks import require_positive
-from llmu.data import text as shipped_text
-from llmu.models import LlamaConfig
+from llmu.models import LlamaConfig, make_trainable
 from llmu.models.llama import LlamaModel
-from llmu.moe.train import byte_tokens
 from llmu.scale.flops import train_step_flops
+from llmu.training.loop import TokenWindows
 
-__all__ = ["mfu", "mfu_from_steps", "PublishedMFU", "PUBLISHED_MFU", "byte_llama_config", "make_trainable",
+__all__ = ["mfu", "mfu_from_steps", "PublishedMFU", "PUBLISHED_MFU", "byte_llama_config",
            "TrainRun", "train_step", "train_run", "TRAIN_SIZES"]
 
 
@@ -122,23 +121,6 @@ def byte_llama_config(hidden: int, layers: int, max_len: int = 1024, head_dim: i
                        eos_token_id=None, pad_token_id=None, name=f"byte-llama-{hidden}x{layers}")
 
 
-def make_trainable(config: LlamaConfig, seed: int = 0, device=None, dtype=torch.float32) -> LlamaModel:
-    """An ``llmu.models.LlamaModel`` of ``config`` with fresh weights, ready to train: matrices
-    ``N(0, 0.02²)`` (GPT-2's initialisation), norm gains 1, and ``requires_grad`` on (llmu's models
-    are built for inference, with gradients off)."""
-    if not isinstance(config, LlamaConfig):
-        raise TypeError(f"config must be an llmu LlamaConfig, got {type(config).__name__}")
-    model = LlamaModel(config, dtype=dtype, device=device)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.fill_(1.0)
-            else:
-                p.copy_(torch.randn(p.shape, generator=g).mul_(0.02))
-    return model.train().requires_grad_(True)
-
-
 @dataclass
 class TrainRun:
     """What :func:`train_run` measured: one wall-clock time and one loss per step."""
@@ -175,11 +157,6 @@ class TrainRun:
         return mfu(self.achieved_flops, peak_flops_per_s)
 
 
-def _batches(tokens: torch.Tensor, batch: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
-    starts = torch.randint(0, tokens.numel() - seq_len - 1, (batch,), generator=generator)
-    return torch.stack([tokens[s:s + seq_len + 1] for s in starts.tolist()])
-
-
 def train_step(model: LlamaModel, optimizer: torch.optim.Optimizer, window: torch.Tensor) -> torch.Tensor:
     """One step on ``window`` ``(B, T + 1)`` token ids: forward on the first ``T``, cross-entropy
     against the next token, backward, AdamW update. Returns the loss (a 0-d tensor)."""
@@ -205,13 +182,12 @@ def train_run(config: LlamaConfig, batch: int = 8, seq_len: int = 256, steps: in
     if seq_len > config.max_position_embeddings:
         raise ValueError(f"seq_len ({seq_len}) exceeds config.max_position_embeddings "
                          f"({config.max_position_embeddings})")
-    tokens = byte_tokens(shipped_text(text))
-    g = torch.Generator().manual_seed(seed)
+    windows = TokenWindows.from_text(text, seq_len, seed)        # module 04's seeded data source
     model = make_trainable(config, seed=seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     seconds, losses = [], []
     for _ in range(steps):
-        window = _batches(tokens, batch, seq_len, g)
+        window = windows.sample(batch)
         t0 = time.perf_counter()
         loss = train_step(model, optimizer, window)
         seconds.append(time.perf_counter() - t0)

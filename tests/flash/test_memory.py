@@ -41,3 +41,9 @@ def test_naive_quadratic_tiled_linear():
     assert 3.5 < peaks[512][0] / peaks[256][0] < 4.5   # doubling N: 4x the memory
     assert peaks[512][1] / peaks[256][1] < 2.5         # doubling N: about 2x
     assert peaks[512][1] < peaks[512][0] / 3
+
+
+def test_views_of_the_inputs_are_not_new_memory():
+    x = torch.randn(64, 32)
+    assert peak_bytes(lambda t: t.T[::2], x)[1] == 0                     # views share x's storage
+    assert peak_bytes(lambda t: t.T.contiguous(), x)[1] == x.numel() * 4  # a copy is new memory

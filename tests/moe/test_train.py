@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import llmu  # noqa: F401
+from llmu.data import byte_tokens
 from llmu.moe import train as T
 
 SMALL = T.TinyMoEConfig(hidden=32, num_layers=2, num_heads=2, intermediate=32, num_experts=4, k=2)
@@ -107,6 +108,6 @@ def test_bad_input():
     with pytest.raises(ValueError, match="k must be"):
         T.TinyMoEConfig(num_experts=2, k=3)
     with pytest.raises(ValueError, match="text"):
-        T.byte_tokens("")
+        byte_tokens("")
     with pytest.raises(ValueError, match=r"\(B, T\)"):
         T.TinyMoELM(SMALL)(torch.zeros(5, dtype=torch.int64))

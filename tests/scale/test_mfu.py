@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import llmu  # noqa: F401
-from llmu.models import LlamaConfig
+from llmu.models import LlamaConfig, make_trainable
 from llmu.scale import mfu as M
 from llmu.scale.flops import train_step_flops
 
@@ -34,12 +34,12 @@ def test_published_table():
 def test_byte_config_and_trainable_model():
     config = M.byte_llama_config(128, 2)
     assert (config.vocab_size, config.num_attention_heads, config.intermediate_size) == (256, 2, 384)
-    model = M.make_trainable(config)
+    model = make_trainable(config)
     assert model.training and all(p.requires_grad for p in model.parameters())
     with pytest.raises(ValueError, match="multiple"):
         M.byte_llama_config(100, 2)
     with pytest.raises(TypeError, match="LlamaConfig"):
-        M.make_trainable({"hidden": 128})
+        make_trainable({"hidden": 128})
 
 
 def test_train_run_learns_and_counts():

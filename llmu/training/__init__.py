@@ -1,0 +1,21 @@
+"""Training and alignment (course module 04): how a language model learns, and how it is tuned.
+
+- :mod:`llmu.training.cross_entropy`: the language-model loss in torch, and a chunked cross-entropy
+  fused with the LM head's matmul, so that the logits of the whole vocabulary never exist for
+  every position at once (ignore-index and label smoothing included);
+- :mod:`llmu.training.kernels`: the Triton kernels of that cross-entropy, forward and backward,
+  with their launchers and ``autograd.Function``;
+- :mod:`llmu.training.loop`: the training loop for ``llmu.models``: AdamW (and its optimizer-state
+  memory), warmup plus cosine learning rate, gradient clipping, gradient accumulation, and
+  checkpoints that resume exactly;
+- :mod:`llmu.training.sft`: supervised fine-tuning on chat conversations, with the loss masked to
+  the assistant's tokens;
+- :mod:`llmu.training.lora`: low-rank adapters on chosen projections, merge and unmerge,
+  trainable-parameter counts;
+- :mod:`llmu.training.dpo`: direct preference optimization, the loss from the policy's and the
+  reference's log-probabilities of chosen and rejected answers;
+- :mod:`llmu.training.bench`: the ``fused_linear_cross_entropy`` benchmark entry.
+
+Course module 04, training and alignment. Import from the submodules
+(``from llmu.training.loop import Trainer``); this package imports nothing itself.
+"""
