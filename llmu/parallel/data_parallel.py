@@ -56,7 +56,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["DataParallel", "Bucket", "require_process_group", "broadcast_module", "next_token_loss",
+__all__ = ["DataParallel", "Bucket", "require_process_group", "broadcast_module", "next_token_loss", "single_process_steps",
            "tensors_in", "demo"]
 
 
@@ -320,6 +320,22 @@ def _tiny_model(seed: int, **overrides) -> nn.Module:
     return tiny_llama(seed, **overrides).train().requires_grad_(True)
 
 
+def single_process_steps(model: nn.Module, ids: torch.Tensor, steps: int, lr: float):
+    """The result every data-parallel strategy must reproduce: ``steps`` AdamW steps of ``model``
+    on the whole batch ``ids`` in one process. Returns ``(grads, params)``: the gradients of the
+    first step and the parameters after every step, each a dict by parameter name."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    grads, params = None, []
+    for _ in range(steps):
+        next_token_loss(model, ids).backward()
+        if grads is None:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return grads, params
+
+
 def demo(rank: int, world_size: int, steps: int = 3, batch_per_rank: int = 2, seq: int = 33,
          bucket_mb: float = 0.05, lr: float = 1e-2, seed: int = 0, **model_overrides) -> dict:
     """A few AdamW steps of data-parallel training, checked against the single process.
@@ -339,20 +355,17 @@ def demo(rank: int, world_size: int, steps: int = 3, batch_per_rank: int = 2, se
     ids = torch.randint(vocab, (world_size * batch_per_rank, seq), generator=torch.Generator().manual_seed(seed + 1))
     mine = ids[rank * batch_per_rank:(rank + 1) * batch_per_rank]
 
+    _, ref_params = single_process_steps(reference, ids, steps, lr)
     dp = DataParallel(model, bucket_mb=bucket_mb)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr)
     errors, losses = [], []
-    for _ in range(steps):
+    for step in range(steps):
         loss = next_token_loss(dp, mine)
         loss.backward()
         dp.finish()
         opt.step()
         opt.zero_grad()
-        next_token_loss(reference, ids).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
         losses.append(loss.item())
-        errors.append(max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())))
+        errors.append(max((p - ref_params[step][n]).abs().max().item() for n, p in model.named_parameters()))
     timeline = {k: v for k, v in dp.timeline.items() if k != "buckets"}
     return {"max_abs_error": errors, "loss": losses, "buckets": dp.timeline["buckets"], "timeline": timeline}

@@ -71,7 +71,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from llmu.parallel.data_parallel import broadcast_module, next_token_loss, require_process_group, tensors_in
+from llmu.parallel.data_parallel import (broadcast_module, next_token_loss, require_process_group, single_process_steps,
+                                         tensors_in)
 
 __all__ = ["STAGES", "PRECISIONS", "ZeRO", "FlatUnit", "default_units", "zero_memory_formula", "memory_table",
            "fsdp2_train", "demo"]
@@ -549,14 +550,7 @@ def demo(rank: int, world_size: int, steps: int = 3, batch_per_rank: int = 2, se
                         generator=torch.Generator().manual_seed(seed + 1))
     mine = ids[rank * batch_per_rank:(rank + 1) * batch_per_rank]
 
-    # The single process on the whole batch, parameters after every step
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr)
-    ref_steps = []
-    for _ in range(steps):
-        next_token_loss(reference, ids).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_steps.append({n: p.detach().clone() for n, p in reference.named_parameters()})
+    _, ref_steps = single_process_steps(reference, ids, steps, lr)     # the whole batch, one process
 
     result: dict = {"stages": {}}
     zero3_final = None

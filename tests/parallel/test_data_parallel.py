@@ -30,7 +30,7 @@ import torch.distributed as dist
 import llmu  # noqa: F401  (sets the Triton mode before anything imports triton)
 from llmu.distributed import launch
 from llmu.models import tiny_llama
-from llmu.parallel.data_parallel import DataParallel, demo, next_token_loss
+from llmu.parallel.data_parallel import DataParallel, demo, next_token_loss, single_process_steps
 
 GRAD_RTOL = 1e-6
 PARAM_ATOL = 3e-6
@@ -52,17 +52,7 @@ def _rel(a, b):
 
 def _reference():
     """The single process on the whole batch: gradients of step 1, parameters after each step."""
-    model, ids = _model(), _batch()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    grads, params = None, []
-    for _ in range(STEPS):
-        next_token_loss(model, ids).backward()
-        if grads is None:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return grads, params
+    return single_process_steps(_model(), _batch(), STEPS, LR)
 
 
 def _train(rank, world, reference, bucket_mb, micro_batches=1):

@@ -26,7 +26,7 @@ import llmu  # noqa: F401  (sets the Triton mode before anything imports triton)
 from llmu.distributed import launch
 from llmu.models import tiny_llama
 from llmu.parallel import zero as Z
-from llmu.parallel.data_parallel import next_token_loss
+from llmu.parallel.data_parallel import next_token_loss, single_process_steps
 
 GRAD_RTOL = 1e-6
 PARAM_ATOL = 3e-6
@@ -42,17 +42,7 @@ def _batch():
 
 
 def _reference():
-    model, ids = _model(), _batch()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    grads, params = None, []
-    for _ in range(STEPS):
-        next_token_loss(model, ids).backward()
-        if grads is None:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return grads, params
+    return single_process_steps(_model(), _batch(), STEPS, LR)
 
 
 def _flat_grad_shard(unit, grads):
