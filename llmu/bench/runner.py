@@ -15,6 +15,11 @@ The numbers a row carries:
   entry's own formulas;
 * ``frac_flops`` and ``frac_bw``: those over the device's peaks (see :mod:`llmu.bench.peaks`);
   ``None`` when the peak is unknown (CPUs).
+
+While a notebook is being graded (``LLMU_AUTOGRADING=1`` in the environment, which the grading
+code sets for the kernel: ``llmu grade``, ``autograder/autograde``) :func:`run` times nothing: each
+entry and size gets a row with status ``"skipped"`` and reason ``"autograding"``. A benchmark
+earns no points and would only spend the per-cell time limit.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from pathlib import Path
 import torch
 
 from llmu import runtime
+from llmu.course import AUTOGRADING_ENV
 from llmu.bench.peaks import Peak, dtype_name, peak_for
 from llmu.bench.registry import LOAD_ERRORS, Entry, load_all
 
@@ -50,6 +56,14 @@ TRITON_ON_CPU = ("Triton runs in its interpreter here (numpy, one block at a tim
                  "nothing about the kernel; see the recorded GPU results")
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
+
+#: The reason recorded on every row while a notebook is being graded.
+AUTOGRADING_REASON = "autograding"
+
+
+def autograding() -> bool:
+    """True while grading code runs this process's notebook (``LLMU_AUTOGRADING`` set, not ``0``)."""
+    return os.environ.get(AUTOGRADING_ENV, "").strip() not in ("", "0")
 
 
 # --------------------------------------------------------------------------------------------
@@ -365,6 +379,7 @@ def run(names: str | Iterable[str] | None = None, device=None, sizes="auto", rep
         if timer is None:
             timer = time_cuda if on_gpu else (lambda fn: time_cpu(fn, repeats=repeats or 7))
         started = time.perf_counter()
+        grading = autograding()
         rows: list[dict] = []
 
         def emit(new_rows):
@@ -382,6 +397,11 @@ def run(names: str | Iterable[str] | None = None, device=None, sizes="auto", rep
                 emit([row])
                 continue
             for size in entry_sizes:
+                if grading:
+                    row = _blank_row(entry, size, dev, dtype)
+                    row.update(status="skipped", reason=AUTOGRADING_REASON)
+                    emit([row])
+                    continue
                 if budget_s is not None and time.perf_counter() - started > budget_s:
                     row = _blank_row(entry, size, dev, dtype)
                     row.update(status="skipped", reason=f"time budget of {budget_s:g} s used up")

@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmu.layers.reference import rms_norm
 from llmu.mamba import reference
+from llmu.models.llama import RMSNorm
 
 __all__ = ["MambaBlock", "MambaLM", "RMSNorm", "IMPLS"]
 
@@ -184,18 +184,6 @@ class MambaBlock(nn.Module):
         return (out[:, None] if squeeze else out), conv_state, ssm_state
 
 
-class RMSNorm(nn.Module):
-    """``llmu.layers.reference.rms_norm`` with a learned gain."""
-
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
-
-
 class MambaLM(nn.Module):
     """A tiny Mamba language model: embedding, pre-norm residual blocks, final norm, tied head."""
 
@@ -206,8 +194,8 @@ class MambaLM(nn.Module):
         nn.init.normal_(self.embedding.weight, std=0.02)
         self.blocks = nn.ModuleList(MambaBlock(d_model, d_state, d_conv, expand, selective=selective)
                                     for _ in range(n_layers))
-        self.norms = nn.ModuleList(RMSNorm(d_model) for _ in range(n_layers))
-        self.norm_f = RMSNorm(d_model)
+        self.norms = nn.ModuleList(RMSNorm(d_model, requires_grad=True) for _ in range(n_layers))
+        self.norm_f = RMSNorm(d_model, requires_grad=True)
 
     def head(self, h):
         return h @ self.embedding.weight.t()                          # tied to the embedding

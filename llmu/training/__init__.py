@@ -14,6 +14,9 @@
   trainable-parameter counts;
 - :mod:`llmu.training.dpo`: direct preference optimization, the loss from the policy's and the
   reference's log-probabilities of chosen and rejected answers;
+- :mod:`llmu.training.runs`: the notebook's three runs end to end (pretraining a small byte-level
+  model, SFT of SmolLM2 with LoRA, DPO), shared with ``benchmarks/training_runs.py``, which records
+  their long versions in ``llmu/data/training_runs.json``;
 - :mod:`llmu.training.bench`: the ``fused_linear_cross_entropy`` benchmark entry.
 
 Course module 04, training and alignment. Import from the submodules

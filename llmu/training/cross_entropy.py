@@ -191,8 +191,10 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         n, vocab = x.shape[0], weight.shape[0]
         acc = _accumulate_dtype(x.dtype)
         scale = row_gradient_scale(target, ignore_index, reduction, grad_loss.expand(n))
-        dx = torch.zeros(x.shape, dtype=acc, device=x.device)
-        dw = torch.zeros(weight.shape, dtype=acc, device=x.device)
+        # A frozen LM head (LoRA) needs no dW: skip its V x H buffer and half of the matmuls
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx = torch.zeros(x.shape, dtype=acc, device=x.device) if need_dx else None
+        dw = torch.zeros(weight.shape, dtype=acc, device=x.device) if need_dw else None
         for r0 in range(0, n, row_chunk):
             xr, yr = x[r0:r0 + row_chunk], target[r0:r0 + row_chunk].long()
             for v0 in range(0, vocab, vocab_chunk):
@@ -206,10 +208,14 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 rows = torch.nonzero(inside)[:, 0]
                 dz[rows, yr[rows] - v0] -= 1.0 - eps
                 dz *= scale[r0:r0 + row_chunk, None].to(acc)
-                # Step 3: this tile's share of both gradients
-                dx[r0:r0 + row_chunk] += dz @ w_tile.to(acc)
-                dw[v0:v0 + vocab_chunk] += dz.T @ xr.to(acc)
-        return dx.to(x.dtype), dw.to(weight.dtype), None, None, None, None, None, None
+                # Step 3: this tile's share of the gradients that are needed
+                if need_dx:
+                    dx[r0:r0 + row_chunk] += dz @ w_tile.to(acc)
+                if need_dw:
+                    dw[v0:v0 + vocab_chunk] += dz.T @ xr.to(acc)
+        dx = dx.to(x.dtype) if need_dx else None
+        dw = dw.to(weight.dtype) if need_dw else None
+        return dx, dw, None, None, None, None, None, None
 
 
 def chunked_cross_entropy(x, weight, target, *, ignore_index: int = -100, label_smoothing: float = 0.0,

@@ -38,7 +38,7 @@ def test_config_file_and_python_api_agree():
     assert loaded.CourseDirectory.source_directory == "solutions"
     assert loaded.CourseDirectory.release_directory == "course"
     assert loaded.CourseDirectory.db_url.endswith("/autograder/gradebook.db")
-    assert loaded.Execute.timeout == 60 and loaded.Execute.interrupt_on_timeout
+    assert loaded.Execute.timeout == course.CELL_TIMEOUT and loaded.Execute.interrupt_on_timeout
     assert loaded.CourseDirectory.course_id == "llmu"
     names = [p.__name__ for p in loaded.GenerateFeedback.preprocessors]
     assert names.index("HideHiddenTracebacks") < names.index("ClearHiddenTests") < names.index("CSSHTMLHeaderPreprocessor")

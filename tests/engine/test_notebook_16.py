@@ -13,52 +13,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 import llmu  # noqa: F401
 from llmu import course
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "solutions" / "16_serving_engine" / "16_serving_engine.ipynb"
 
 
-@pytest.fixture(scope="module")
-def cells():
-    # Cell metadata (unique grade_ids, points, markers, no outputs) is checked for every notebook
-    # in tests/course/test_notebooks.py; this file runs the exercises.
-    return course.cells_by_grade_id(NOTEBOOK)
-
-
-def _namespace(cells):
-    return course.setup_namespace(cells)
-
-
 EXERCISES = {
-    # exercise: (solution cell, helper cells run before it, test cells)
-    "ex1": ("ex1_solution", ["ex1_reference"], ["test_ex1_visible", "test_ex1_hidden"]),
-    "ex2": ("ex2_solution", ["ex2_harness"], ["test_ex2_visible", "test_ex2_hidden"]),
-    "ex3": ("ex3_solution", [], ["test_ex3_visible", "test_ex3_hidden"]),
+    "ex1": course.Exercise.numbered(1, before=["ex1_reference"]),
+    "ex2": course.Exercise.numbered(2, before=["ex2_harness"]),
+    "ex3": course.Exercise.numbered(3),
 }
 
 
-def _run(cells, exercise, solution_source, tests):
-    solution, helpers, _ = EXERCISES[exercise]
-    ns = _namespace(cells)
-    for name in helpers:
-        exec(cells[name], ns)  # noqa: S102
-    exec(solution_source, ns)  # noqa: S102
-    for name in tests:
-        exec(cells[name], ns)  # noqa: S102  (hidden-test markers are comments: the hidden part runs too)
-
-
-def test_setup_cell_loads_no_model(cells):
+def test_setup_cell_loads_no_model(notebook):
     """The exercises must run without the model: the setup cell only imports."""
-    assert "load_model(" not in cells["setup"]
-
-
-@pytest.mark.parametrize("exercise", list(EXERCISES))
-def test_solutions_pass_all_tests(exercise, cells):
-    solution, _, tests = EXERCISES[exercise]
-    _run(cells, exercise, cells[solution], tests)
+    assert "load_model(" not in notebook.cells["setup"]
 
 
 WRONG = {
@@ -85,18 +55,15 @@ WRONG = {
 }
 
 
-@pytest.mark.parametrize("case", list(WRONG))
-def test_wrong_answers_fail(case, cells):
-    exercise, old, new, test_cell = WRONG[case]
-    solution, helpers, _ = EXERCISES[exercise]
-    assert cells[solution].count(old) == 1, f"{case}: {old!r} must occur once in {solution}"
-    with pytest.raises(AssertionError):
-        _run(cells, exercise, cells[solution].replace(old, new), [test_cell])
+# The exercise file's two tests: every solution passes its test cells; every wrong answer is
+# caught by the test cell named for it (cell metadata is checked in tests/course/test_notebooks.py).
+notebook, test_solutions_pass_all_tests, test_wrong_answers_fail = course.exercise_tests(
+    NOTEBOOK, EXERCISES, WRONG)
 
 
-def test_hidden_tests_are_not_in_the_visible_part(cells):
+def test_hidden_tests_are_not_in_the_visible_part(notebook):
     """Each hidden test cell runs a visible check first, then the hidden block."""
     for name in ("test_ex1_hidden", "test_ex2_hidden", "test_ex3_hidden"):
-        before, _, after = cells[name].partition(course.BEGIN_HIDDEN)
+        before, _, after = notebook.cells[name].partition(course.BEGIN_HIDDEN)
         assert after, f"{name} has no hidden block"
         assert "check" in before, f"{name}: the learner should see at least one check before the hidden block"

@@ -10,45 +10,18 @@ out-of-bounds access reads or writes whatever memory is there.
 
 from __future__ import annotations
 
-import pytest
-
 import llmu  # noqa: F401  (Triton mode first: the exercise kernel is defined below)
 from llmu import course
 
 NOTEBOOK = course.repo_root() / "solutions" / "12_mixture_of_experts" / "12_mixture_of_experts.ipynb"
 
 
-@pytest.fixture(scope="module")
-def cells():
-    # Cell metadata (unique grade_ids, points, markers, no outputs) is checked for every notebook
-    # in tests/course/test_notebooks.py; this file runs the exercises.
-    return course.cells_by_grade_id(NOTEBOOK)
-
-
 EXERCISES = {
-    # exercise: (solution cell, cells that run after it, test cells)
-    "ex1": ("ex1_solution", [], ["test_ex1_visible", "test_ex1_hidden"]),
-    "ex2": ("ex2_solution", [], ["test_ex2_visible", "test_ex2_hidden"]),
-    "ex3": ("ex3_solution", [], ["test_ex3_visible", "test_ex3_hidden"]),
-    "ex4": ("ex4_kernel", ["ex4_launcher"], ["test_ex4_visible", "test_ex4_hidden"]),
+    "ex1": course.Exercise.numbered(1),
+    "ex2": course.Exercise.numbered(2),
+    "ex3": course.Exercise.numbered(3),
+    "ex4": course.Exercise("ex4_kernel", ("test_ex4_visible", "test_ex4_hidden"), after=("ex4_launcher",)),
 }
-
-
-def _prepare(cells, exercise, source, workdir, name):
-    _, after, _ = EXERCISES[exercise]
-    ns = course.setup_namespace(cells)
-    course.exec_cell(source, ns, workdir, name)
-    for cell in after:
-        exec(cells[cell], ns)  # noqa: S102
-    return ns
-
-
-@pytest.mark.parametrize("exercise", list(EXERCISES))
-def test_solutions_pass_all_tests(exercise, cells, tmp_path):
-    solution, _, tests = EXERCISES[exercise]
-    ns = _prepare(cells, exercise, cells[solution], tmp_path, f"sol_{exercise}")
-    for name in tests:
-        exec(cells[name], ns)  # noqa: S102  (hidden-test markers are comments: the hidden part runs too)
 
 
 WRONG = {
@@ -85,11 +58,7 @@ WRONG = {
 }
 
 
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # nan in the interpreter's numpy
-@pytest.mark.parametrize("case", list(WRONG))
-def test_wrong_answers_fail(case, cells, tmp_path):
-    exercise, old, new, test_cell = WRONG[case]
-    solution, _, tests = EXERCISES[exercise]
-    assert old in cells[solution], f"{case}: the solution no longer contains {old!r}"
-    ns = _prepare(cells, exercise, cells[solution].replace(old, new), tmp_path, f"wrong_{exercise}_{abs(hash(case))}")
-    course.expect_test_failure(cells, ns, tests, test_cell)
+# The exercise file's two tests: every solution passes its test cells; every wrong answer is
+# caught by the test cell named for it (cell metadata is checked in tests/course/test_notebooks.py).
+notebook, test_solutions_pass_all_tests, test_wrong_answers_fail = course.exercise_tests(
+    NOTEBOOK, EXERCISES, WRONG)

@@ -12,63 +12,18 @@ compiled), as the notebook 02 tests do.
 
 from __future__ import annotations
 
-import contextlib
-
-import pytest
-import torch
-
 import llmu  # noqa: F401  (Triton mode first: the exercise kernel is defined below)
 from llmu import course
-from llmu.runtime import kernel_device
 
 NOTEBOOK = course.repo_root() / "solutions" / "09_paged_attention" / "09_paged_attention.ipynb"
 
 
-@pytest.fixture(scope="module")
-def cells():
-    # Cell metadata (unique grade_ids, points, markers, no outputs) is checked for every notebook
-    # in tests/course/test_notebooks.py; this file runs the exercises.
-    return course.cells_by_grade_id(NOTEBOOK)
-
-
-def _on_kernel_device():
-    dev = kernel_device()
-    return contextlib.nullcontext() if dev.type == "cpu" else torch.device(dev)
-
-
-def _namespace(cells):
-    return course.setup_namespace(cells)
-
-
-def _define(ns, source, tmp_path, name):
-    """Define a solution cell's names in ``ns`` (kernels are compiled from a file: Triton needs one)."""
-    course.exec_cell(source, ns, tmp_path, name)
-
-
 EXERCISES = {
-    "ex1": ("ex1_solution", [], ["test_ex1_visible", "test_ex1_hidden"]),
-    "ex2": ("ex2_solution", [], ["test_ex2_visible", "test_ex2_hidden"]),
-    "ex3": ("ex3_kernel", ["ex3_launcher"], ["test_ex3_visible", "test_ex3_hidden"]),
-    "ex4": ("ex4_solution", [], ["test_ex4_visible", "test_ex4_hidden"]),
+    "ex1": course.Exercise.numbered(1),
+    "ex2": course.Exercise.numbered(2),
+    "ex3": course.Exercise("ex3_kernel", ("test_ex3_visible", "test_ex3_hidden"), after=("ex3_launcher",)),
+    "ex4": course.Exercise.numbered(4),
 }
-
-
-def _prepare(cells, exercise, source, tmp_path, name):
-    solution, extra, _ = EXERCISES[exercise]
-    ns = _namespace(cells)
-    _define(ns, source, tmp_path, name)
-    for cell in extra:
-        exec(cells[cell], ns)  # noqa: S102
-    return ns
-
-
-@pytest.mark.parametrize("exercise", list(EXERCISES))
-def test_solutions_pass_all_tests(exercise, cells, tmp_path):
-    solution, _, tests = EXERCISES[exercise]
-    with _on_kernel_device():
-        ns = _prepare(cells, exercise, cells[solution], tmp_path, f"sol_{exercise}")
-        for name in tests:
-            exec(cells[name], ns)  # noqa: S102  (hidden-test markers are comments: the hidden part runs too)
 
 
 WRONG = {
@@ -115,14 +70,7 @@ WRONG = {
 }
 
 
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # nan and inf in the interpreter's numpy
-@pytest.mark.parametrize("case", list(WRONG))
-def test_wrong_answers_fail(case, cells, tmp_path):
-    exercise, old, new, test_cell = WRONG[case]
-    solution, _, tests = EXERCISES[exercise]
-    assert old in cells[solution], f"{case}: the solution no longer contains {old!r}"
-    with _on_kernel_device():
-        ns = _prepare(cells, exercise, cells[solution].replace(old, new), tmp_path,
-                      f"wrong_{exercise}_{abs(hash(case))}")
-        course.expect_test_failure(cells, ns, tests, test_cell)
-
+# The exercise file's two tests: every solution passes its test cells; every wrong answer is
+# caught by the test cell named for it (cell metadata is checked in tests/course/test_notebooks.py).
+notebook, test_solutions_pass_all_tests, test_wrong_answers_fail = course.exercise_tests(
+    NOTEBOOK, EXERCISES, WRONG, on_kernel_device=True)

@@ -9,47 +9,13 @@ course-wide notebook tests.
 
 from __future__ import annotations
 
-import pytest
-
 import llmu  # noqa: F401
 from llmu import course
 
 NOTEBOOK = course.repo_root() / "solutions" / "14_parallelism" / "14_parallelism.ipynb"
 
 
-@pytest.fixture(scope="module")
-def cells():
-    # Cell metadata (unique grade_ids, points, markers, no outputs) is checked for every notebook
-    # in tests/course/test_notebooks.py; this file runs the exercises.
-    return course.cells_by_grade_id(NOTEBOOK)
-
-
-@pytest.fixture(scope="module")
-def base(cells):
-    return course.setup_namespace(cells)
-
-
-EXERCISES = {
-    # exercise: (solution cell, test cells)
-    "ex1": ("ex1_solution", ["test_ex1_visible", "test_ex1_hidden"]),
-    "ex2": ("ex2_solution", ["test_ex2_visible", "test_ex2_hidden"]),
-    "ex3": ("ex3_solution", ["test_ex3_visible", "test_ex3_hidden"]),
-    "ex4": ("ex4_solution", ["test_ex4_visible", "test_ex4_hidden"]),
-}
-
-
-def _prepare(base, source):
-    ns = dict(base)
-    exec(source, ns)  # noqa: S102 - the course's own cells
-    return ns
-
-
-@pytest.mark.parametrize("exercise", list(EXERCISES))
-def test_solutions_pass_all_tests(exercise, base, cells):
-    solution, tests = EXERCISES[exercise]
-    ns = _prepare(base, cells[solution])
-    for name in tests:
-        exec(cells[name], ns)  # noqa: S102  (hidden-test markers are comments: the hidden part runs too)
+EXERCISES = {f"ex{n}": course.Exercise.numbered(n) for n in (1, 2, 3, 4)}
 
 
 WRONG = {
@@ -92,10 +58,7 @@ WRONG = {
 }
 
 
-@pytest.mark.parametrize("case", list(WRONG))
-def test_wrong_answers_fail(case, base, cells):
-    exercise, old, new, test_cell = WRONG[case]
-    solution, tests = EXERCISES[exercise]
-    assert old in cells[solution], f"{case}: the solution no longer contains {old!r}"
-    ns = _prepare(base, cells[solution].replace(old, new))
-    course.expect_test_failure(cells, ns, tests, test_cell)
+# The exercise file's two tests: every solution passes its test cells; every wrong answer is
+# caught by the test cell named for it (cell metadata is checked in tests/course/test_notebooks.py).
+notebook, test_solutions_pass_all_tests, test_wrong_answers_fail = course.exercise_tests(
+    NOTEBOOK, EXERCISES, WRONG)

@@ -9,52 +9,18 @@ tensors to ``kernel_device()`` themselves (``gemv_inputs`` in the launcher cell)
 
 from __future__ import annotations
 
-
-import pytest
-
 import llmu  # noqa: F401  (Triton mode first: the exercise kernel is defined below)
 from llmu import course
 
 NOTEBOOK = course.repo_root() / "solutions" / "10_quantization" / "10_quantization.ipynb"
 
 
-@pytest.fixture(scope="module")
-def cells():
-    # Cell metadata (unique grade_ids, points, markers, no outputs) is checked for every notebook
-    # in tests/course/test_notebooks.py; this file runs the exercises.
-    return course.cells_by_grade_id(NOTEBOOK)
-
-
-@pytest.fixture(scope="module")
-def base(cells):
-    ns = course.setup_namespace(cells)
-    exec(cells["numberline"], ns)  # noqa: S102  (the weights dictionary the exercises' tests read)
-    return ns
-
-
 EXERCISES = {
-    "ex1": ("ex1_solution", [], ["test_ex1_visible", "test_ex1_hidden"]),
-    "ex2": ("ex2_solution", [], ["test_ex2_visible", "test_ex2_hidden"]),
-    "ex3": ("ex3_solution", [], ["test_ex3_visible", "test_ex3_hidden"]),
-    "ex4": ("ex4_kernel", ["ex4_launcher"], ["test_ex4_visible", "test_ex4_hidden"]),
+    "ex1": course.Exercise.numbered(1),
+    "ex2": course.Exercise.numbered(2),
+    "ex3": course.Exercise.numbered(3),
+    "ex4": course.Exercise("ex4_kernel", ("test_ex4_visible", "test_ex4_hidden"), after=("ex4_launcher",)),
 }
-
-
-def _prepare(base, cells, exercise, source, tmp_path, name):
-    _, extra, _ = EXERCISES[exercise]
-    ns = dict(base)
-    course.exec_cell(source, ns, tmp_path, name)
-    for cell in extra:
-        exec(cells[cell], ns)  # noqa: S102
-    return ns
-
-
-@pytest.mark.parametrize("exercise", list(EXERCISES))
-def test_solutions_pass_all_tests(exercise, base, cells, tmp_path):
-    solution, _, tests = EXERCISES[exercise]
-    ns = _prepare(base, cells, exercise, cells[solution], tmp_path, f"sol_{exercise}")
-    for name in tests:
-        exec(cells[name], ns)  # noqa: S102  (hidden-test markers are comments: the hidden part runs too)
 
 
 WRONG = {
@@ -93,12 +59,7 @@ WRONG = {
 }
 
 
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # nan and inf in the interpreter's numpy
-@pytest.mark.parametrize("case", list(WRONG))
-def test_wrong_answers_fail(case, base, cells, tmp_path):
-    exercise, old, new, test_cell = WRONG[case]
-    solution, _, tests = EXERCISES[exercise]
-    assert old in cells[solution], f"{case}: the solution no longer contains {old!r}"
-    ns = _prepare(base, cells, exercise, cells[solution].replace(old, new), tmp_path,
-                  f"wrong_{exercise}_{abs(hash(case))}")
-    course.expect_test_failure(cells, ns, tests, test_cell)
+# The exercise file's two tests: every solution passes its test cells; every wrong answer is
+# caught by the test cell named for it (cell metadata is checked in tests/course/test_notebooks.py).
+notebook, test_solutions_pass_all_tests, test_wrong_answers_fail = course.exercise_tests(
+    NOTEBOOK, EXERCISES, WRONG, setup_cells=["numberline"])

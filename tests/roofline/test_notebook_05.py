@@ -8,40 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 import llmu  # noqa: F401
 from llmu import course
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "solutions" / "05_prefill_decode" / "05_prefill_decode.ipynb"
 
 
-@pytest.fixture(scope="module")
-def cells():
-    # Cell metadata (unique grade_ids, points, markers, no outputs) is checked for every notebook
-    # in tests/course/test_notebooks.py; this file runs the exercises.
-    return course.cells_by_grade_id(NOTEBOOK)
-
-
-def _namespace(cells):
-    return course.setup_namespace(cells)
-
-
-EXERCISES = {
-    "ex1": ("ex1_solution", ["test_ex1_visible", "test_ex1_hidden"]),
-    "ex2": ("ex2_solution", ["test_ex2_visible", "test_ex2_hidden"]),
-    "ex3": ("ex3_solution", ["test_ex3_visible", "test_ex3_hidden"]),
-    "ex4": ("ex4_solution", ["test_ex4_visible", "test_ex4_hidden"]),
-}
-
-
-@pytest.mark.parametrize("exercise", list(EXERCISES))
-def test_solutions_pass_all_tests(exercise, cells):
-    solution, tests = EXERCISES[exercise]
-    ns = _namespace(cells)
-    exec(cells[solution], ns)  # noqa: S102
-    for name in tests:
-        exec(cells[name], ns)  # noqa: S102  (hidden-test markers are comments: the hidden part runs too)
+EXERCISES = {f"ex{n}": course.Exercise.numbered(n) for n in (1, 2, 3, 4)}
 
 
 WRONG = {
@@ -60,12 +33,7 @@ WRONG = {
 }
 
 
-@pytest.mark.parametrize("case", list(WRONG))
-def test_wrong_answers_fail(case, cells):
-    exercise, old, new, test_cell = WRONG[case]
-    solution, _ = EXERCISES[exercise]
-    assert old in cells[solution]
-    ns = _namespace(cells)
-    exec(cells[solution].replace(old, new), ns)  # noqa: S102
-    with pytest.raises(AssertionError):
-        exec(cells[test_cell], ns)  # noqa: S102
+# The exercise file's two tests: every solution passes its test cells; every wrong answer is
+# caught by the test cell named for it (cell metadata is checked in tests/course/test_notebooks.py).
+notebook, test_solutions_pass_all_tests, test_wrong_answers_fail = course.exercise_tests(
+    NOTEBOOK, EXERCISES, WRONG)

@@ -9,8 +9,6 @@ run of a one-layer model of a few steps stands in for it, against a stated peak.
 
 from __future__ import annotations
 
-import pytest
-
 import llmu  # noqa: F401
 from llmu import course
 from llmu.roofline import Roof
@@ -19,43 +17,14 @@ from llmu.scale import mfu as mfu_lib
 NOTEBOOK = course.repo_root() / "solutions" / "15_scale" / "15_scale.ipynb"
 
 
-@pytest.fixture(scope="module")
-def cells():
-    # Cell metadata (unique grade_ids, points, markers, no outputs) is checked for every notebook
-    # in tests/course/test_notebooks.py; this file runs the exercises.
-    return course.cells_by_grade_id(NOTEBOOK)
+EXERCISES = {f"ex{n}": course.Exercise.numbered(n) for n in (1, 2, 3, 4)}
 
 
-@pytest.fixture(scope="module")
-def base(cells):
-    ns = course.setup_namespace(cells)
+def _measured_run(ns):
+    """What the notebook's MFU cells leave behind for exercise 3's tests: a short real run."""
     run = mfu_lib.train_run(mfu_lib.byte_llama_config(64, 1, max_len=32), batch=2, seq_len=32, steps=4)
     roof = Roof("stated peak", peak_flops=1e10, bandwidth=1e10)
     ns.update(run=run, roof=roof, local_mfu=run.mfu(roof.peak_flops))
-    return ns
-
-
-EXERCISES = {
-    # exercise: (solution cell, test cells)
-    "ex1": ("ex1_solution", ["test_ex1_visible", "test_ex1_hidden"]),
-    "ex2": ("ex2_solution", ["test_ex2_visible", "test_ex2_hidden"]),
-    "ex3": ("ex3_solution", ["test_ex3_visible", "test_ex3_hidden"]),
-    "ex4": ("ex4_solution", ["test_ex4_visible", "test_ex4_hidden"]),
-}
-
-
-def _prepare(base, source):
-    ns = dict(base)
-    exec(source, ns)  # noqa: S102
-    return ns
-
-
-@pytest.mark.parametrize("exercise", list(EXERCISES))
-def test_solutions_pass_all_tests(exercise, base, cells):
-    solution, tests = EXERCISES[exercise]
-    ns = _prepare(base, cells[solution])
-    for name in tests:
-        exec(cells[name], ns)  # noqa: S102  (hidden-test markers are comments: the hidden part runs too)
 
 
 WRONG = {
@@ -97,10 +66,7 @@ WRONG = {
 }
 
 
-@pytest.mark.parametrize("case", list(WRONG))
-def test_wrong_answers_fail(case, base, cells):
-    exercise, old, new, test_cell = WRONG[case]
-    solution, tests = EXERCISES[exercise]
-    assert old in cells[solution], f"{case}: the solution no longer contains {old!r}"
-    ns = _prepare(base, cells[solution].replace(old, new))
-    course.expect_test_failure(cells, ns, tests, test_cell)
+# The exercise file's two tests: every solution passes its test cells; every wrong answer is
+# caught by the test cell named for it (cell metadata is checked in tests/course/test_notebooks.py).
+notebook, test_solutions_pass_all_tests, test_wrong_answers_fail = course.exercise_tests(
+    NOTEBOOK, EXERCISES, WRONG, setup_hook=_measured_run)

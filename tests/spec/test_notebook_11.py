@@ -9,50 +9,18 @@ course-wide notebook tests. Exercise 2 uses exercise 1's residual, exercise 4 us
 
 from __future__ import annotations
 
-import pytest
-
 import llmu  # noqa: F401
 from llmu import course
 
 NOTEBOOK = course.repo_root() / "solutions" / "11_speculative_decoding" / "11_speculative_decoding.ipynb"
 
 
-@pytest.fixture(scope="module")
-def cells():
-    # Cell metadata (unique grade_ids, points, markers, no outputs) is checked for every notebook
-    # in tests/course/test_notebooks.py; this file runs the exercises.
-    return course.cells_by_grade_id(NOTEBOOK)
-
-
-@pytest.fixture(scope="module")
-def base(cells):
-    return course.setup_namespace(cells)
-
-
 EXERCISES = {
-    # exercise: (solution cell, solutions it builds on, test cells)
-    "ex1": ("ex1_solution", [], ["test_ex1_visible", "test_ex1_hidden"]),
-    "ex2": ("ex2_solution", ["ex1_solution"], ["test_ex2_visible", "test_ex2_hidden"]),
-    "ex3": ("ex3_solution", [], ["test_ex3_visible", "test_ex3_hidden"]),
-    "ex4": ("ex4_solution", ["ex1_solution", "ex2_solution", "ex3_solution"], ["test_ex4_visible", "test_ex4_hidden"]),
+    "ex1": course.Exercise.numbered(1),
+    "ex2": course.Exercise.numbered(2, before=["ex1_solution"]),
+    "ex3": course.Exercise.numbered(3),
+    "ex4": course.Exercise.numbered(4, before=["ex1_solution", "ex2_solution", "ex3_solution"]),
 }
-
-
-def _prepare(base, cells, exercise, source):
-    _, before, _ = EXERCISES[exercise]
-    ns = dict(base)
-    for cell in before:
-        exec(cells[cell], ns)  # noqa: S102
-    exec(source, ns)  # noqa: S102
-    return ns
-
-
-@pytest.mark.parametrize("exercise", list(EXERCISES))
-def test_solutions_pass_all_tests(exercise, base, cells):
-    solution, _, tests = EXERCISES[exercise]
-    ns = _prepare(base, cells, exercise, cells[solution])
-    for name in tests:
-        exec(cells[name], ns)  # noqa: S102  (hidden-test markers are comments: the hidden part runs too)
 
 
 WRONG = {
@@ -82,10 +50,7 @@ WRONG = {
 }
 
 
-@pytest.mark.parametrize("case", list(WRONG))
-def test_wrong_answers_fail(case, base, cells):
-    exercise, old, new, test_cell = WRONG[case]
-    solution, _, tests = EXERCISES[exercise]
-    assert old in cells[solution], f"{case}: the solution no longer contains {old!r}"
-    ns = _prepare(base, cells, exercise, cells[solution].replace(old, new))
-    course.expect_test_failure(cells, ns, tests, test_cell)
+# The exercise file's two tests: every solution passes its test cells; every wrong answer is
+# caught by the test cell named for it (cell metadata is checked in tests/course/test_notebooks.py).
+notebook, test_solutions_pass_all_tests, test_wrong_answers_fail = course.exercise_tests(
+    NOTEBOOK, EXERCISES, WRONG)

@@ -311,3 +311,21 @@ def test_bench_cpu_sizes_run(check_cpu_sizes_run):
 
     rows = check_cpu_sizes_run([bench.FUSED_LINEAR_CROSS_ENTROPY])
     assert {r["provider"] for r in rows if r["status"] == "ok"} == {"llmu torch", "torch naive"}
+
+
+@pytest.mark.parametrize("frozen", ["weight", "x"])
+def test_a_frozen_input_gets_no_gradient_and_the_other_is_unchanged(frozen):
+    """A frozen LM head (LoRA fine-tuning) needs only dx: the chunked backward skips dW (and
+    vice versa); the gradient it does compute equals the full backward's bit for bit, since the
+    same tiles are summed in the same order."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(37, 24, generator=g), torch.randn(101, 24, generator=g)
+    y = torch.randint(0, 101, (37,), generator=g)
+    x_all, w_all = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    R.chunked_cross_entropy(x_all, w_all, y, row_chunk=16, vocab_chunk=32).backward()
+    x_one, w_one = x.clone().requires_grad_(frozen != "x"), w.clone().requires_grad_(frozen != "weight")
+    R.chunked_cross_entropy(x_one, w_one, y, row_chunk=16, vocab_chunk=32).backward()
+    if frozen == "weight":
+        assert w_one.grad is None and torch.equal(x_one.grad, x_all.grad)
+    else:
+        assert x_one.grad is None and torch.equal(w_one.grad, w_all.grad)

@@ -1,0 +1,470 @@
+"""Grade your own notebook, outside a class: ``llmu grade course/00_welcome/00_welcome.ipynb``.
+
+A released notebook carries its visible tests; the hidden ones live only in the instructor's
+copy, ``solutions/NN_topic/NN_topic.ipynb``. Self-grading does what nbgrader's autograde does
+for a class, for one learner and without a gradebook:
+
+1. copy the learner's notebook into a temporary folder (the original is only read, never written);
+2. find the instructor notebook with the same file name and put every graded test cell back from
+   it, hidden tests included (an edited or deleted test cannot change the score);
+3. run the copy top to bottom in a fresh kernel (a separate process), each cell limited to
+   ``cell_timeout`` seconds (interrupted, then the run goes on) and the kernel's memory to
+   ``memory_mb`` (a watchdog kills a kernel that grows past it);
+4. score each graded test cell: its points when it ran without an error, else 0, and group the
+   cells into the exercises of the notebook (the ``### Exercise N · Title (a + b points)``
+   headings; without headings, by the test cells' names).
+
+The result is a per-exercise table (:func:`format_report`) in which a failed check shows its own
+message (the first line of it: which property broke), never the test's source, so the hidden
+tests stay hidden. A cell that ran out of time, a test cell that was deleted and the exercises
+left when the kernel died are reported per exercise, with the reason.
+
+The kernel runs with ``LLMU_AUTOGRADING=1`` (:data:`llmu.course.AUTOGRADING_ENV`): benchmark
+cells skip themselves, as they do in a class's autograde.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from llmu import course
+
+#: Kernel memory limit (MiB) unless one is given. The course's hungriest notebook peaked at about
+#: 1.6 GiB (10_quantization; test-artifacts/notebooks/ records every notebook's peak).
+MEMORY_MB = 4096
+#: How often the memory watchdog looks at the kernel's resident memory (seconds).
+WATCH_INTERVAL_S = 0.2
+
+#: Cell outcomes, as the table prints them.
+PASSED, FAILED, TIMED_OUT, NOT_RUN, MISSING = "passed", "failed", "timed out", "not run", "missing"
+
+class SelfGradeError(ValueError):
+    """Self-grading cannot start: a bad path, or no instructor notebook matches the learner's."""
+
+
+class KernelStartError(RuntimeError):
+    """The Jupyter kernel that runs the notebook did not start (``llmu doctor`` checks the kernel)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Results
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CellOutcome:
+    """One graded test cell: what it is worth and what happened to it."""
+
+    grade_id: str
+    points: float
+    score: float = 0.0
+    status: str = NOT_RUN
+    #: Why it lost its points: the check's message (first line), the timeout, the kernel's death.
+    message: str = ""
+    seconds: float | None = None
+
+
+@dataclass
+class Exercise:
+    """The graded cells under one exercise heading."""
+
+    title: str
+    cells: list[CellOutcome] = field(default_factory=list)
+
+    @property
+    def score(self) -> float:
+        return sum(c.score for c in self.cells)
+
+    @property
+    def max_score(self) -> float:
+        return sum(c.points for c in self.cells)
+
+    @property
+    def status(self) -> str:
+        """``passed`` when every cell passed, else the first lost cell's status and message."""
+        lost = next((c for c in self.cells if c.status != PASSED), None)
+        if lost is None:
+            return PASSED
+        return f"{lost.status}: {lost.message}" if lost.message else lost.status
+
+
+@dataclass
+class SelfGradeReport:
+    notebook: Path
+    solution: Path
+    exercises: list[Exercise]
+    seconds: float = 0.0
+    #: Why the run stopped early (the kernel died or was stopped); empty when it ran to the end.
+    stopped: str = ""
+
+    @property
+    def score(self) -> float:
+        return sum(e.score for e in self.exercises)
+
+    @property
+    def max_score(self) -> float:
+        return sum(e.max_score for e in self.exercises)
+
+    @property
+    def cells(self) -> dict[str, CellOutcome]:
+        return {c.grade_id: c for e in self.exercises for c in e.cells}
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding the instructor notebook
+# ---------------------------------------------------------------------------------------------
+
+
+def find_solution(notebook: str | os.PathLike, root=None) -> Path:
+    """The instructor notebook that matches ``notebook``, found by its file name.
+
+    ``course/NN_x/NN_x.ipynb`` (or any copy named ``NN_x.ipynb``) matches
+    ``solutions/NN_x/NN_x.ipynb``; a copy whose name was changed (``NN_x (1).ipynb``,
+    ``ada_NN_x.ipynb``) matches when exactly one assignment's name is part of it.
+    """
+    nb = Path(notebook)
+    src = course.solutions_dir(root)
+    known = course.source_notebooks(root)
+    if not known:
+        raise SelfGradeError(f"no instructor notebooks in {src}: self-grading needs the course's solutions/ "
+                             "folder (set LLMU_COURSE_ROOT to a checkout of the course)")
+    same_name = [p for p in known if p.name == nb.name]
+    if len(same_name) == 1:
+        return same_name[0]
+    # Renamed copies: the longest assignment name inside the file name ("ada_00_welcome (1)").
+    inside = sorted((p for p in known if p.stem in nb.stem), key=lambda p: len(p.stem), reverse=True)
+    if inside and (len(inside) == 1 or len(inside[0].stem) > len(inside[1].stem)):
+        return inside[0]
+    names = ", ".join(p.name for p in known)
+    raise SelfGradeError(f"notebook {str(notebook)!r}: no instructor notebook in {src} has its name; "
+                         f"self-grading matches by file name, one of: {names}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Preparing the copy that is run
+# ---------------------------------------------------------------------------------------------
+
+
+def _grade_id(cell) -> str | None:
+    return course.nbgrader_meta(cell).get("grade_id")
+
+
+def _exercises_of(solution_nb) -> list[Exercise]:
+    """The exercises of the instructor notebook and their graded test cells, in notebook order.
+
+    A graded cell belongs to the exercise heading above it. Graded cells before any heading (a
+    notebook without them) are grouped by name: ``test_add_visible`` and ``test_add_hidden`` make
+    the exercise ``add``.
+    """
+    exercises: list[Exercise] = []
+    by_prefix: dict[str, Exercise] = {}
+    current: Exercise | None = None
+    for cell in solution_nb.cells:
+        if cell.cell_type == "markdown":
+            # The heading may follow a section heading in the same cell: take the last one.
+            found = [m for m in map(course.EXERCISE_HEADING.match, cell.source.splitlines()) if m]
+            if found:
+                m = found[-1]
+                title = m["title"].strip() or "exercise"
+                current = Exercise(f"{m['number']} · {title}")
+                exercises.append(current)
+            continue
+        if not course.is_test(cell):
+            continue
+        outcome = CellOutcome(_grade_id(cell), float(course.nbgrader_meta(cell).get("points") or 0))
+        if current is None:
+            prefix = re.sub(r"^test_|_(visible|hidden|\d+)$", "", outcome.grade_id)
+            if prefix not in by_prefix:
+                by_prefix[prefix] = Exercise(prefix)
+                exercises.append(by_prefix[prefix])
+            by_prefix[prefix].cells.append(outcome)
+        else:
+            current.cells.append(outcome)
+    return [e for e in exercises if e.cells]
+
+
+def prepare(learner_nb, solution_nb) -> tuple[object, list[str]]:
+    """The notebook to run: the learner's cells, with every graded test cell's source, metadata
+    and kind put back from the instructor notebook (hidden tests included). Returns it and the
+    grade_ids of the test cells the learner's notebook lacks."""
+    import copy
+
+    tests = {_grade_id(c): c for c in solution_nb.cells if course.is_test(c)}
+    nb = copy.deepcopy(learner_nb)
+    seen = set()
+    for i, cell in enumerate(nb.cells):
+        gid = _grade_id(cell)
+        if gid in tests and gid not in seen:
+            seen.add(gid)
+            restored = copy.deepcopy(tests[gid])
+            restored["outputs"], restored["execution_count"] = [], None
+            nb.cells[i] = restored
+    return nb, [g for g in tests if g not in seen]
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory watchdog
+# ---------------------------------------------------------------------------------------------
+
+
+class MemoryWatchdog:
+    """Kill a process (and its children) when their resident memory together passes ``limit_mb``.
+
+    A watchdog rather than ``RLIMIT_AS``: a kernel's address space is not the memory it uses
+    (running 05_prefill_decode it held 2.4-2.6 GB of address space for 1.3-1.5 GB resident, and
+    the gap grows with the number of threads, each of which gets its own malloc arena), so an
+    address-space limit would have to guess that gap; and a failed allocation inside a C
+    extension does not always surface as a Python ``MemoryError``. Resident memory is what a
+    machine runs out of. The check runs every :data:`WATCH_INTERVAL_S` seconds; :attr:`tripped` holds the
+    peak that was seen when the process was killed.
+    """
+
+    def __init__(self, pid: int, limit_mb: float, interval_s: float = WATCH_INTERVAL_S):
+        import psutil
+
+        self._process = psutil.Process(pid)
+        self.limit_mb = float(limit_mb)
+        self.interval_s = interval_s
+        self.peak_mb = 0.0
+        self.tripped: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="llmu-memory-watchdog", daemon=True)
+
+    def _rss_mb(self) -> float:
+        import psutil
+
+        procs = [self._process]
+        try:
+            procs += self._process.children(recursive=True)
+        except psutil.Error:
+            pass
+        total = 0
+        for p in procs:
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+        return total / 2**20
+
+    def _watch(self) -> None:
+        import psutil
+
+        while not self._stop.wait(self.interval_s):
+            try:
+                if not self._process.is_running():
+                    return
+                rss = self._rss_mb()
+            except psutil.Error:
+                return
+            self.peak_mb = max(self.peak_mb, rss)
+            if rss > self.limit_mb:
+                self.tripped = rss
+                for p in [*self._process.children(recursive=True), self._process]:
+                    try:
+                        p.kill()
+                    except psutil.Error:
+                        pass
+                return
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running it
+# ---------------------------------------------------------------------------------------------
+
+#: Longest single wait on a kernel channel (seconds); see :func:`_poll_in_slices`.
+POLL_SLICE_S = 0.5
+
+
+def _poll_in_slices(channel, slice_s: float = POLL_SLICE_S) -> None:
+    """Make ``channel.get_msg(timeout)`` wait in short slices instead of one long poll.
+
+    Measured here: now and then (2 runs in 10 of 05_prefill_decode's ``points`` cell, which shows
+    a widget; none in 8 with the slices) the kernel's reply was on the socket long before the client's single
+    ``poll(timeout)`` noticed it; the poll woke only when its timeout ran out and then returned the
+    reply, so the cell "took" exactly the per-cell limit and passed. (zmq signals a socket's
+    readiness by an edge on a file descriptor, and an edge can be consumed unseen, e.g. by a send
+    on the same socket.) A new poll every ``slice_s`` looks at the socket again, so a missed edge
+    costs at most ``slice_s``.
+    """
+    from queue import Empty
+
+    get_msg = channel.get_msg
+
+    async def sliced_get_msg(timeout: float | None = None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = slice_s if deadline is None else max(0.0, min(slice_s, deadline - time.monotonic()))
+            try:
+                return await get_msg(timeout=left)
+            except Empty:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+
+    channel.get_msg = sliced_get_msg
+
+
+
+def _first_line(text: str) -> str:
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text or "").strip()
+    return text.splitlines()[0].strip() if text else ""
+
+
+def _error_message(reply_content: dict) -> str:
+    """What a failed test cell says: the exception and the first line of its message."""
+    ename, evalue = reply_content.get("ename", "Error"), _first_line(reply_content.get("evalue", ""))
+    if ename == "NotImplementedError" or evalue.startswith("NotImplementedError"):
+        # The released stub (Triton's interpreter reports it as an InterpreterError).
+        return "not answered yet (NotImplementedError)"
+    if ename in ("AssertionError", "CheckFailed") and evalue:
+        return evalue
+    return f"{ename}: {evalue}" if evalue else ename
+
+
+def self_grade(notebook: str | os.PathLike, *, solution: str | os.PathLike | None = None, root=None,
+               cell_timeout: float = course.CELL_TIMEOUT, memory_mb: float | None = MEMORY_MB,
+               kernel_name: str | None = None, progress: Callable[[str], None] | None = None) -> SelfGradeReport:
+    """Grade ``notebook`` against the hidden tests of its instructor notebook; see the module text.
+
+    ``solution``: the instructor notebook (default: :func:`find_solution`). ``cell_timeout``:
+    seconds per cell. ``memory_mb``: the kernel's memory limit (None or 0: none). ``kernel_name``:
+    the Jupyter kernel (default: the notebook's own, ``python3``). ``progress(line)`` is called
+    as each code cell finishes. The learner's file is read once and never written.
+    """
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import DeadKernelError
+
+    path = Path(notebook)
+    if path.suffix != ".ipynb":
+        raise SelfGradeError(f"notebook must be an .ipynb file, got {str(notebook)!r}")
+    if not path.is_file():
+        raise SelfGradeError(f"notebook {str(notebook)!r} does not exist")
+    if cell_timeout is None or cell_timeout <= 0:
+        raise SelfGradeError(f"cell_timeout must be a positive number of seconds, got {cell_timeout!r}")
+    if memory_mb is not None and memory_mb < 0:
+        raise SelfGradeError(f"memory_mb must be >= 0 (0: no limit), got {memory_mb!r}")
+    solution_path = Path(solution) if solution is not None else find_solution(path, root)
+    say = progress or (lambda line: None)
+
+    try:
+        learner_nb = nbformat.reads(path.read_text(encoding="utf-8"), as_version=4)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the learner's to fix
+        raise SelfGradeError(f"notebook {str(notebook)!r} is not a readable notebook: {exc}") from exc
+    solution_nb = nbformat.read(str(solution_path), as_version=4)
+    exercises = _exercises_of(solution_nb)
+    outcomes = {c.grade_id: c for e in exercises for c in e.cells}
+    nb, missing = prepare(learner_nb, solution_nb)
+    for gid in missing:
+        outcomes[gid].status, outcomes[gid].message = MISSING, "this test cell is not in your notebook"
+
+    t_start = time.perf_counter()
+    report = SelfGradeReport(notebook=path, solution=solution_path, exercises=exercises)
+    code_cells = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and c.source.strip()]
+    replies: dict[int, dict] = {}
+
+    def on_cell_executed(cell, cell_index, execute_reply):
+        replies[cell_index] = (execute_reply or {}).get("content", {})
+
+    kernel = kernel_name or nb.metadata.get("kernelspec", {}).get("name", "python3")
+    with tempfile.TemporaryDirectory(prefix="llmu-selfgrade-") as work, ExitStack() as stack:
+        # The kernel works in a temporary folder that holds a copy of the learner's file.
+        shutil.copy(path, Path(work) / path.name)
+        client = NotebookClient(
+            nb, timeout=int(cell_timeout), kernel_name=kernel, allow_errors=True, interrupt_on_timeout=True,
+            error_on_timeout={"ename": course.TIMEOUT_ERROR, "evalue": f"the cell ran longer than {cell_timeout:g} s",
+                              "traceback": []},
+            resources={"metadata": {"path": work}}, on_cell_executed=on_cell_executed,
+        )
+        say(f"starting a kernel for {path.name} (graded against {solution_path.name}; "
+            f"{len(code_cells)} code cells, {cell_timeout:g} s each at most"
+            + (f", {memory_mb:g} MiB" if memory_mb else "") + ")")
+        # The kernel's own stderr goes to a file (start-up chatter stays off the screen); what it
+        # wrote after start-up, its last words, is reported if it dies.
+        log_path = Path(work) / "kernel.log"
+        kernel_log = stack.enter_context(open(log_path, "wb"))  # noqa: SIM115 - closed by the stack
+        env = {**os.environ, course.AUTOGRADING_ENV: "1"}
+        try:
+            stack.enter_context(client.setup_kernel(env=env, stderr=kernel_log))
+        except Exception as exc:  # noqa: BLE001 - no kernel spec, no ipykernel, a start-up timeout
+            raise KernelStartError(f"could not start the Jupyter kernel {kernel!r}: {type(exc).__name__}: {exc}") from exc
+        log_start = log_path.stat().st_size
+        _poll_in_slices(client.kc.shell_channel)
+        _poll_in_slices(client.kc.iopub_channel)
+        pid = client.km.provisioner.pid if client.km.provisioner is not None else None
+        watchdog = stack.enter_context(MemoryWatchdog(pid, memory_mb)) if memory_mb and pid else None
+
+        for n, index in enumerate(code_cells, 1):
+            cell = nb.cells[index]
+            gid = _grade_id(cell)
+            t0 = time.perf_counter()
+            try:
+                client.execute_cell(cell, index)
+            except DeadKernelError:
+                if watchdog is not None and watchdog.tripped:
+                    why = f"the kernel used {watchdog.tripped:.0f} MiB, over the {memory_mb:g} MiB limit"
+                else:
+                    last = log_path.read_bytes()[log_start:].decode(errors="replace").strip().splitlines()[-1:]
+                    why = "the kernel died" + (f" ({_first_line(last[0])})" if last else "")
+                report.stopped = f"{why} in cell {n} ({gid or f'cell {index}'})"
+                say(f"[{n:>3}/{len(code_cells)}] {gid or '':<28} stopped: {why}")
+                break
+            seconds = time.perf_counter() - t0
+            reply = replies.get(index, {})
+            status = "ok"
+            if reply.get("status") == "error":
+                status = "timed out" if reply.get("ename") == course.TIMEOUT_ERROR else "error"
+            if gid in outcomes:
+                o = outcomes[gid]
+                o.seconds = seconds
+                if status == "ok":
+                    o.status, o.score, o.message = PASSED, o.points, ""
+                elif status == "timed out":
+                    o.status, o.message = TIMED_OUT, f"ran longer than the {cell_timeout:g} s limit"
+                else:
+                    o.status, o.message = FAILED, _error_message(reply)
+                status = o.status
+            say(f"[{n:>3}/{len(code_cells)}] {gid or '':<28} {seconds:6.1f} s  {status}")
+    if report.stopped:
+        for o in outcomes.values():
+            if o.status == NOT_RUN and not o.message:
+                o.message = report.stopped
+    report.seconds = time.perf_counter() - t_start
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# The table
+# ---------------------------------------------------------------------------------------------
+
+
+def format_report(report: SelfGradeReport, width: int = 100) -> str:
+    """The per-exercise table ``llmu grade NOTEBOOK`` prints, with the total."""
+    rows = [(e.title, f"{e.score:g} / {e.max_score:g}", e.status) for e in report.exercises]
+    w_ex = max([len("exercise"), *(len(r[0]) for r in rows)])
+    w_pts = max([len("points"), *(len(r[1]) for r in rows)])
+    lines = [f"{'exercise':<{w_ex}}  {'points':>{w_pts}}  status"]
+    room = max(20, width - w_ex - w_pts - 4)
+    for title, pts, status in rows:
+        lines.append(f"{title:<{w_ex}}  {pts:>{w_pts}}  {status if len(status) <= room else status[:room - 3] + '...'}")
+    total = f"{report.score:g} / {report.max_score:g}"
+    lines.append(f"{'total':<{w_ex}}  {total:>{w_pts}}")
+    if report.stopped:
+        lines.append(f"\nThe run stopped early: {report.stopped}.")
+    return "\n".join(lines)
