@@ -184,6 +184,8 @@ def nbgrader_config(root=None, *, timeout: int = CELL_TIMEOUT):
     # that calls it; interrupting (rather than killing the kernel) lets grading go on.
     c.Execute.timeout = int(timeout)
     c.Execute.interrupt_on_timeout = True
+    # A kernel client that cannot sleep through a finished cell's reply (llmu/kernel_client.py).
+    c.AsyncKernelManager.client_class = "llmu.kernel_client.SlicedPollKernelClient"
     c.ClearSolutions.code_stub = {"python": CODE_STUB}
     # Feedback: nbgrader's ClearHiddenTests strips the hidden tests' source, but a failing hidden
     # test's traceback still quotes its lines; HideHiddenTracebacks (first, while the markers are

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmu import course
+from llmu.kernel_client import poll_in_slices
 
 #: Kernel memory limit (MiB) unless one is given. The course's hungriest notebook peaked at about
 #: 1.6 GiB (10_quantization; test-artifacts/notebooks/ records every notebook's peak).
@@ -288,39 +289,6 @@ class MemoryWatchdog:
 # Running it
 # ---------------------------------------------------------------------------------------------
 
-#: Longest single wait on a kernel channel (seconds); see :func:`_poll_in_slices`.
-POLL_SLICE_S = 0.5
-
-
-def _poll_in_slices(channel, slice_s: float = POLL_SLICE_S) -> None:
-    """Make ``channel.get_msg(timeout)`` wait in short slices instead of one long poll.
-
-    Measured here: now and then (2 runs in 10 of 05_prefill_decode's ``points`` cell, which shows
-    a widget; none in 8 with the slices) the kernel's reply was on the socket long before the client's single
-    ``poll(timeout)`` noticed it; the poll woke only when its timeout ran out and then returned the
-    reply, so the cell "took" exactly the per-cell limit and passed. (zmq signals a socket's
-    readiness by an edge on a file descriptor, and an edge can be consumed unseen, e.g. by a send
-    on the same socket.) A new poll every ``slice_s`` looks at the socket again, so a missed edge
-    costs at most ``slice_s``.
-    """
-    from queue import Empty
-
-    get_msg = channel.get_msg
-
-    async def sliced_get_msg(timeout: float | None = None):
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = slice_s if deadline is None else max(0.0, min(slice_s, deadline - time.monotonic()))
-            try:
-                return await get_msg(timeout=left)
-            except Empty:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise
-
-    channel.get_msg = sliced_get_msg
-
-
-
 def _first_line(text: str) -> str:
     text = re.sub(r"\x1b\[[0-9;]*m", "", text or "").strip()
     return text.splitlines()[0].strip() if text else ""
@@ -405,8 +373,8 @@ def self_grade(notebook: str | os.PathLike, *, solution: str | os.PathLike | Non
         except Exception as exc:  # noqa: BLE001 - no kernel spec, no ipykernel, a start-up timeout
             raise KernelStartError(f"could not start the Jupyter kernel {kernel!r}: {type(exc).__name__}: {exc}") from exc
         log_start = log_path.stat().st_size
-        _poll_in_slices(client.kc.shell_channel)
-        _poll_in_slices(client.kc.iopub_channel)
+        poll_in_slices(client.kc.shell_channel)
+        poll_in_slices(client.kc.iopub_channel)
         pid = client.km.provisioner.pid if client.km.provisioner is not None else None
         watchdog = stack.enter_context(MemoryWatchdog(pid, memory_mb)) if memory_mb and pid else None
 
