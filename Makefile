@@ -1,5 +1,5 @@
 # llmu: `make lab` opens the course, `make test` runs the suite. Both set up .venv first and
-# reinstall only when pyproject.toml changed since the last set-up.
+# reinstall only when pyproject.toml or binder/pins.txt changed since the last set-up.
 
 PYTHON     ?= python3
 VENV       ?= .venv

@@ -5,6 +5,7 @@ configuration."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from queue import Empty
 
@@ -12,6 +13,25 @@ import nbformat
 
 from llmu import course
 from llmu.kernel_client import SlicedPollKernelClient, poll_in_slices
+
+
+def _run(coroutine):
+    """Run ``coroutine`` on a fresh event loop in a thread of its own: earlier tests in the same
+    process (nbclient, Jupyter) may leave an event loop running in this one."""
+    result = {}
+
+    def target():
+        try:
+            result["value"] = asyncio.run(coroutine)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            result["error"] = exc
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 class _Channel:
@@ -36,7 +56,7 @@ class _Channel:
 def test_waits_in_slices_until_the_message_comes():
     channel = _Channel(ready_after=0.3)
     poll_in_slices(channel, slice_s=0.05)
-    assert asyncio.run(channel.get_msg(timeout=5)) == {"msg_type": "execute_reply"}
+    assert _run(channel.get_msg(timeout=5)) == {"msg_type": "execute_reply"}
     assert len(channel.timeouts) > 3 and max(channel.timeouts) <= 0.05
 
 
@@ -45,7 +65,7 @@ def test_still_times_out_at_the_callers_deadline():
     poll_in_slices(channel, slice_s=0.05)
     t0 = time.monotonic()
     try:
-        asyncio.run(channel.get_msg(timeout=0.2))
+        _run(channel.get_msg(timeout=0.2))
     except Empty:
         pass
     else:
