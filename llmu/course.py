@@ -857,6 +857,22 @@ EXERCISE_HEADING = re.compile(
     r"(?:\((?P<points>[\d +]+) points?\))?\s*$",
     re.IGNORECASE,
 )
+def exercise_groups(cells) -> list[tuple[re.Match | None, list]]:
+    """A notebook's graded test cells grouped by the exercise heading above them, in notebook
+    order: ``[(heading match, [cells]), ...]``, each match of :data:`EXERCISE_HEADING` (its
+    ``number``, ``title`` and ``points``). Test cells before the first heading come first, under
+    ``None``. A heading with no test cell under it keeps an empty list. ``cells`` are a
+    notebook's cells (nbformat nodes or plain dictionaries)."""
+    groups: list[tuple[re.Match | None, list]] = [(None, [])]
+    for cell in cells:
+        if cell["cell_type"] == "markdown":
+            source = "".join(cell["source"])
+            groups += [(m, []) for m in filter(None, map(EXERCISE_HEADING.match, source.splitlines()))]
+        elif is_test(cell):
+            groups[-1][1].append(cell)
+    return groups if groups[0][1] else groups[1:]
+
+
 _LINK = re.compile(r"\[[^\]]+\]\(([^)\s]+)\)")
 
 
@@ -900,17 +916,14 @@ def skeleton_problems(path) -> list[str]:
         problems.append(f"expected at least two '## ' sections before the closing cells, found {sections}")
     # -- exercises: numbering, and points in the heading against the graded cells under it
     exercises: list[tuple[int, int, int]] = []  # (number, points in the heading, points of the cells)
-    for cell, s in zip(cells, src):
-        if cell["cell_type"] == "markdown":
-            for m in filter(None, map(EXERCISE_HEADING.match, s.splitlines())):
-                if m["points"] is None:
-                    problems.append(f"exercise {m['number']}: the heading must end with its points, '(a + b points)'")
-                    continue
-                stated = sum(int(p) for p in m["points"].split("+"))
-                exercises.append((int(m["number"]), stated, 0))
-        elif is_grade(cell) and not is_solution(cell) and exercises:
-            n, stated, got = exercises[-1]
-            exercises[-1] = (n, stated, got + int(nbgrader_meta(cell).get("points", 0)))
+    for m, graded in exercise_groups(cells):
+        if m is None:
+            continue
+        if m["points"] is None:
+            problems.append(f"exercise {m['number']}: the heading must end with its points, '(a + b points)'")
+            continue
+        stated = sum(int(p) for p in m["points"].split("+"))
+        exercises.append((int(m["number"]), stated, sum(int(nbgrader_meta(c).get("points", 0)) for c in graded)))
     graded_points = sum(int(nbgrader_meta(c).get("points", 0)) for c in cells if is_grade(c))
     if graded_points and not exercises:
         problems.append("graded cells but no 'Exercise N · Title (a + b points)' heading")

@@ -75,7 +75,7 @@ class CellOutcome:
 
 
 @dataclass
-class Exercise:
+class ExerciseResult:
     """The graded cells under one exercise heading."""
 
     title: str
@@ -102,7 +102,7 @@ class Exercise:
 class SelfGradeReport:
     notebook: Path
     solution: Path
-    exercises: list[Exercise]
+    exercises: list[ExerciseResult]
     seconds: float = 0.0
     #: Why the run stopped early (the kernel died or was stopped); empty when it ran to the end.
     stopped: str = ""
@@ -159,37 +159,26 @@ def _grade_id(cell) -> str | None:
     return course.nbgrader_meta(cell).get("grade_id")
 
 
-def _exercises_of(solution_nb) -> list[Exercise]:
+def _exercises_of(solution_nb) -> list[ExerciseResult]:
     """The exercises of the instructor notebook and their graded test cells, in notebook order.
 
     A graded cell belongs to the exercise heading above it. Graded cells before any heading (a
     notebook without them) are grouped by name: ``test_add_visible`` and ``test_add_hidden`` make
     the exercise ``add``.
     """
-    exercises: list[Exercise] = []
-    by_prefix: dict[str, Exercise] = {}
-    current: Exercise | None = None
-    for cell in solution_nb.cells:
-        if cell.cell_type == "markdown":
-            # The heading may follow a section heading in the same cell: take the last one.
-            found = [m for m in map(course.EXERCISE_HEADING.match, cell.source.splitlines()) if m]
-            if found:
-                m = found[-1]
-                title = m["title"].strip() or "exercise"
-                current = Exercise(f"{m['number']} · {title}")
-                exercises.append(current)
+    exercises: list[ExerciseResult] = []
+    for heading, cells in course.exercise_groups(solution_nb.cells):
+        outcomes = [CellOutcome(_grade_id(c), float(course.nbgrader_meta(c).get("points") or 0)) for c in cells]
+        if heading is not None:
+            exercises.append(ExerciseResult(f"{heading['number']} · {heading['title'].strip() or 'exercise'}", outcomes))
             continue
-        if not course.is_test(cell):
-            continue
-        outcome = CellOutcome(_grade_id(cell), float(course.nbgrader_meta(cell).get("points") or 0))
-        if current is None:
+        by_prefix: dict[str, ExerciseResult] = {}
+        for outcome in outcomes:  # no heading above them: group by the test cells' names
             prefix = re.sub(r"^test_|_(visible|hidden|\d+)$", "", outcome.grade_id)
             if prefix not in by_prefix:
-                by_prefix[prefix] = Exercise(prefix)
+                by_prefix[prefix] = ExerciseResult(prefix)
                 exercises.append(by_prefix[prefix])
             by_prefix[prefix].cells.append(outcome)
-        else:
-            current.cells.append(outcome)
     return [e for e in exercises if e.cells]
 
 

@@ -132,6 +132,16 @@ def naive_cross_entropy(x, weight, target, *, ignore_index: int = -100, label_sm
     return loss
 
 
+def reduce_rows(row_loss, target, ignore_index, reduction):
+    """The loss from per-row losses: their sum over the rows that are not ignored, over the number
+    of those rows for ``"mean"`` (0 when every row is ignored; module docstring)."""
+    valid = target != ignore_index
+    loss = torch.where(valid, row_loss, 0.0).sum()
+    if reduction == "mean":
+        loss = loss / valid.sum().clamp(min=1)
+    return loss
+
+
 def row_gradient_scale(target, ignore_index, reduction, grad_output):
     """``g_i``: the upstream gradient over ``n_valid`` (mean) or 1 (sum), 0 on ignored rows (float32)."""
     valid = target != ignore_index
@@ -176,10 +186,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 z_total += z.sum(dim=1)
             lse[r0:r0 + rows] = m + torch.log(s)
             row_loss[r0:r0 + rows] = lse[r0:r0 + rows] - (1.0 - eps) * z_target - (eps / vocab) * z_total
-        valid = target != ignore_index
-        loss = torch.where(valid, row_loss, 0.0).sum()
-        if reduction == "mean":
-            loss = loss / valid.sum().clamp(min=1)
+        loss = reduce_rows(row_loss, target, ignore_index, reduction)
         ctx.save_for_backward(x, weight, target, lse)
         ctx.settings = (ignore_index, eps, reduction, row_chunk, vocab_chunk)
         return loss

@@ -53,7 +53,7 @@ import triton.language as tl
 
 from llmu import runtime
 from llmu.checks import FLOAT_DTYPES, require_positive, require_power_of_two
-from llmu.training.cross_entropy import row_gradient_scale, check_inputs, default_row_chunk
+from llmu.training.cross_entropy import check_inputs, default_row_chunk, reduce_rows, row_gradient_scale
 
 __all__ = ["fused_linear_cross_entropy", "flce_forward", "flce_backward", "matmul", "default_blocks"]
 
@@ -303,9 +303,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, target, ignore_index, label_smoothing, reduction, row_chunk, blocks):
         lse, row_loss = flce_forward(x2, weight, target, ignore_index, label_smoothing, blocks)
-        loss = row_loss.sum()
-        if reduction == "mean":
-            loss = loss / (target != ignore_index).sum().clamp(min=1)
+        loss = reduce_rows(row_loss, target, ignore_index, reduction)
         ctx.save_for_backward(x2, weight, target, lse)
         ctx.settings = (ignore_index, label_smoothing, reduction, row_chunk, blocks)
         return loss

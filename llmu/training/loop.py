@@ -68,8 +68,8 @@ from torch import nn
 from llmu.checks import require_positive
 from llmu.data import byte_tokens, text as shipped_text
 
-__all__ = ["warmup_cosine", "warmup_cosine_scheduler", "adamw_param_groups", "clip_grad_norm", "TokenWindows",
-           "TrainConfig", "StepLog", "Trainer", "OptimizerMemory", "optimizer_state_memory", "adamw_state_bytes"]
+__all__ = ["warmup_cosine", "warmup_cosine_scheduler", "adamw_param_groups", "clip_grad_norm", "optimizer_update",
+           "TokenWindows", "TrainConfig", "StepLog", "Trainer", "OptimizerMemory", "optimizer_state_memory", "adamw_state_bytes"]
 
 
 def _require_int(name: str, value, minimum: int = 0) -> int:
@@ -174,6 +174,18 @@ def clip_grad_norm(parameters, max_norm: float | None) -> float:
         for g in grads:
             g.detach().mul_(scale.to(g.dtype))
     return float(norm)
+
+
+def optimizer_update(optimizer: torch.optim.Optimizer, scheduler, parameters, clip_norm: float | None
+                     ) -> tuple[float, float]:
+    """The end of every training step, once the gradients are in: clip them by global norm, take
+    the optimizer step at the current learning rate, advance the schedule. Returns the norm before
+    clipping and the rate the step used (the scheduler then holds the next step's)."""
+    grad_norm = clip_grad_norm(parameters, clip_norm)
+    lr = optimizer.param_groups[0]["lr"]
+    optimizer.step()
+    scheduler.step()
+    return grad_norm, lr
 
 
 @dataclass(frozen=True)
@@ -397,10 +409,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         batch = self.data.sample(self.config.batch_size).to(_device_of(self.model))
         loss = self.forward_backward(batch)
-        grad_norm = clip_grad_norm(self.parameters, self.config.clip_norm)
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()                # the rate for the next step
+        grad_norm, lr = optimizer_update(self.optimizer, self.scheduler, self.parameters, self.config.clip_norm)
         log = StepLog(self.step, loss, lr, grad_norm, batch.shape[0] * (batch.shape[1] - 1),
                       time.perf_counter() - start)
         self.step += 1

@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from llmu.checks import require_positive
 from llmu.training.cross_entropy import chunked_cross_entropy
-from llmu.training.loop import (TokenWindows, TrainConfig, Trainer, adamw_param_groups, clip_grad_norm,
+from llmu.training.loop import (TokenWindows, TrainConfig, Trainer, adamw_param_groups, optimizer_update,
                                 warmup_cosine_scheduler)
 from llmu.training.sft import IGNORE_INDEX, build_sft_example, collate_sft
 
@@ -231,10 +231,7 @@ def sft_lora(model: nn.Module, tokenizer, examples: Sequence[dict], steps: int, 
             loss = sft_batch_loss(model, collate_sft(part, pad)) * weight
             loss.backward()                                                 # adds to the adapters' .grad
             batch_loss += loss.detach().item()
-        grad_norm = clip_grad_norm(params, clip_norm)
-        step_lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
-        scheduler.step()
+        grad_norm, step_lr = optimizer_update(optimizer, scheduler, params, clip_norm)
         row = {"step": step, "loss": batch_loss, "lr": step_lr, "grad_norm": grad_norm, "tokens": total_tokens,
                "seconds": time.perf_counter() - start}
         logs.append(row)
@@ -314,10 +311,7 @@ def dpo_lora(model: nn.Module, tokenizer, pairs: Sequence[dict], steps: int, *, 
             chosen.append(out.chosen_rewards)
             rejected.append(out.rejected_rewards)
         chosen, rejected = torch.cat(chosen), torch.cat(rejected)
-        grad_norm = clip_grad_norm(params, clip_norm)
-        step_lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
-        scheduler.step()
+        grad_norm, step_lr = optimizer_update(optimizer, scheduler, params, clip_norm)
         if not math.isfinite(batch_loss):
             raise FloatingPointError(f"DPO loss became {batch_loss} at step {step}: lower lr")
         row = {"step": step, "loss": batch_loss, "margin": float((chosen - rejected).mean()),

@@ -137,9 +137,9 @@ def test_graded_cells_are_grouped_by_name_without_headings():
 
 def test_format_report_lists_each_exercise_and_the_total():
     report = selfgrade.SelfGradeReport(Path("nb.ipynb"), Path("sol.ipynb"), [
-        selfgrade.Exercise("1 · Add", [selfgrade.CellOutcome("t1", 2, 2, selfgrade.PASSED),
+        selfgrade.ExerciseResult("1 · Add", [selfgrade.CellOutcome("t1", 2, 2, selfgrade.PASSED),
                                        selfgrade.CellOutcome("t2", 3, 0, selfgrade.FAILED, "x + y: wrong sum")]),
-        selfgrade.Exercise("2 · Softmax", [selfgrade.CellOutcome("t3", 5, 0, selfgrade.TIMED_OUT, "ran longer")]),
+        selfgrade.ExerciseResult("2 · Softmax", [selfgrade.CellOutcome("t3", 5, 0, selfgrade.TIMED_OUT, "ran longer")]),
     ])
     lines = selfgrade.format_report(report).splitlines()
     assert lines[0].split() == ["exercise", "points", "status"]
