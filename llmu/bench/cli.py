@@ -94,6 +94,46 @@ def format_list(registry) -> str:
     return "\n".join(lines)
 
 
+#: How the reason starts that llmu.bench.runner.run gives the sizes its budget left unstarted.
+BUDGET_REASON_PREFIX = "time budget of "
+
+
+def strict_problems(results: dict | None, load_errors=None, expected=None) -> list[str]:
+    """What makes a run fail under ``--strict``, one line each (empty when nothing did).
+
+    * a bench module that did not import (``results["load_errors"]``, or ``load_errors`` when there
+      are no results): its entries were not measured at all;
+    * every row with status ``"error"``, named by entry, provider and size, with its reason;
+    * the sizes ``--budget`` left unstarted, one line per entry: a benchmark that did not run;
+    * a run that was interrupted (``"interrupted"``: a hard timeout or Ctrl-C), with the entries of
+      ``expected`` (names) that have no row at all.
+
+    Skipped rows (a Triton kernel on a CPU, a library that is not installed) are not problems.
+    """
+    problems = []
+    errors = (results or {}).get("load_errors") or load_errors or {}
+    for module, reason in errors.items():
+        problems.append(f"{module} did not import, its entries were not measured: {reason}")
+    if results is None:
+        return problems
+    not_started: dict[str, int] = {}
+    for row in results.get("rows", []):
+        where = " ".join(x for x in (row.get("entry"), row.get("label") or row.get("provider"),
+                                      row.get("size_label")) if x)
+        if row.get("status") == "error":
+            problems.append(f"{where}: error: {row.get('reason')}")
+        elif row.get("status") == "skipped" and str(row.get("reason") or "").startswith(BUDGET_REASON_PREFIX):
+            not_started[row.get("entry")] = not_started.get(row.get("entry"), 0) + 1
+    for entry, n in not_started.items():
+        problems.append(f"{entry}: {n} size(s) not measured, the --budget ran out before them")
+    if results.get("interrupted"):
+        seen = {row.get("entry") for row in results.get("rows", [])}
+        missing = [name for name in (expected or []) if name not in seen]
+        problems.append(f"the run was interrupted after {len(results.get('rows', []))} rows"
+                        + (f"; never reached: {', '.join(missing)}" if missing else ""))
+    return problems
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="llmu bench",
@@ -109,6 +149,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: as the process has them)")
     p.add_argument("--budget", type=float, metavar="SECONDS",
                    help="stop starting new sizes after this many seconds (they are recorded as skipped)")
+    p.add_argument("--strict", action="store_true",
+                   help="exit 1 when a bench module did not import, a row failed, or --budget left "
+                        "sizes unmeasured (skipped rows are fine); each is named on stderr")
     return p
 
 
@@ -130,8 +173,10 @@ def _restore_sigterm(previous) -> None:
 
 def cli_main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``llmu bench``. Returns the exit status: 0 when every measurement that was
-    attempted worked, 1 when one failed, 2 for a bad request (such as an unknown name), 130 when
-    interrupted (results so far are still written with ``--out``)."""
+    attempted worked, 1 when one failed (with ``--strict``, also when a bench module did not
+    import or ``--budget`` left sizes unmeasured: see :func:`strict_problems`), 2 for a bad
+    request (such as an unknown name), 130 when interrupted (results so far are still written
+    with ``--out``)."""
     try:
         return _main(argv)
     except BrokenPipeError:  # `llmu bench --list | head`: the reader left, which is no error
@@ -152,6 +197,9 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"warning: {module} did not load: {reason}", file=sys.stderr)
     if args.list:
         print(format_list(REGISTRY))
+        if args.strict and LOAD_ERRORS:
+            _report_strict(strict_problems(None, LOAD_ERRORS))
+            return 1
         return 0
     unknown = [n for n in args.names if n not in registry]
     if unknown:
@@ -191,4 +239,14 @@ def _main(argv: Sequence[str] | None) -> int:
           f"{counts['ok']} measured, {counts['skipped']} skipped, {counts['error']} failed")
     if args.out:
         print(f"wrote {save(results, args.out)}")
+    if args.strict:
+        problems = strict_problems(results)
+        _report_strict(problems)
+        if problems:
+            return 1
     return 1 if counts["error"] else 0
+
+
+def _report_strict(problems: Sequence[str]) -> None:
+    for line in problems:
+        print(f"strict: {line}", file=sys.stderr)

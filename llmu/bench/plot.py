@@ -1,7 +1,9 @@
 """One benchmark entry as a plot: a metric against the entry's size axis, one line per provider.
 
-The rows measured here are solid lines; rows recorded on GPUs (``benchmarks/results/``) are dashed
-lines labelled with the device and the date, so a learner on a laptop sees both at once.
+The rows measured here are solid lines; rows recorded on GPUs (``llmu/data/gpu_results/``) are
+dashed lines labelled with the device and the date, so a learner on a laptop sees both at once. The
+title's second line names each recorded run with its versions (torch, Triton, CUDA), or says that no
+GPU results have been recorded yet.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ def figure(results_or_rows, name: str, metric: str = "ms", recorded: bool | Sequ
 
     ``results_or_rows``: what :func:`llmu.bench.run` returns (or :func:`llmu.bench.load` reads), or
     a list of rows. ``metric``: ``"ms"``, ``"tflops"``, ``"gbs"``, ``"frac_flops"`` or
-    ``"frac_bw"``. ``recorded``: True adds the GPU rows of ``benchmarks/results/`` as dashed
-    traces, a list of rows adds those, False none. ``log_x`` defaults to True when the sizes span
-    more than a factor of 8.
+    ``"frac_bw"``. ``recorded``: True adds the GPU rows of ``llmu/data/gpu_results/`` as dashed
+    traces, a list of rows adds those, False none; rows of ``results_or_rows`` that are themselves
+    recorded (what :func:`llmu.bench.recorded` returns) are drawn dashed too. ``log_x`` defaults to
+    True when the sizes span more than a factor of 8.
     """
     import plotly.graph_objects as go
 
@@ -50,10 +53,13 @@ def figure(results_or_rows, name: str, metric: str = "ms", recorded: bool | Sequ
     live = [r for r in rows if r.get("entry") == name and r.get("status") == "ok" and r.get(metric) is not None]
     if recorded is True:
         rec = recorded_rows(name)
+        none_recorded = not rec
     elif recorded is False or recorded is None:
         rec = []
     else:
         rec = [r for r in recorded if r.get("entry") == name]
+    rec += [r for r in live if r.get("recorded")]  # recorded rows passed as the rows to plot
+    live = [r for r in live if not r.get("recorded")]
     if results is not None:  # the live results may themselves be a recorded file: do not draw it twice
         rec = [r for r in rec if r.get("created") != results.get("created")]
     rec = [r for r in rec if r.get("status", "ok") == "ok" and r.get(metric) is not None]
@@ -89,7 +95,15 @@ def figure(results_or_rows, name: str, metric: str = "ms", recorded: bool | Sequ
         log_x = bool(xs) and max(xs) / min(xs) > 8
     x_key = next((r.get("x_key") for r in live + rec if r.get("x_key")), None)
     xlabel = x_key or _guess_x_key(live + rec) or "size"
-    viz.style(fig, title or f"{name}: {METRICS[metric]}", xlabel, METRICS[metric])
+    runs = list(dict.fromkeys(r.get("run_label") or f"{r['device_name']}, {r['date']}" for r in rec))
+    if runs:
+        note = "dashed: recorded on " + "; ".join(runs)
+    elif recorded is True and none_recorded:
+        note = f"no GPU results for {name} have been recorded yet"
+    else:
+        note = None
+    title = title or f"{name}: {METRICS[metric]}"
+    viz.style(fig, f"{title}<br><sup>{note}</sup>" if note else title, xlabel, METRICS[metric])
     if log_x and xs:
         fig.update_xaxes(type="log")
     if log_y and fig.data:

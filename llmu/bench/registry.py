@@ -13,6 +13,7 @@ timings say nothing about the kernel.
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -85,19 +86,33 @@ def register(entry: Entry) -> Entry:
 LOAD_ERRORS: dict[str, str] = {}
 
 
-def load_all(strict: bool = True) -> dict[str, Entry]:
-    """Import every topic's ``bench`` module and return the registry.
+#: Environment variable naming more modules (space- or comma-separated) whose import registers
+#: entries, loaded after the topics' like them: an instructor's own benchmarks, or a test's.
+EXTRA_MODULES_ENV = "LLMU_BENCH_MODULES"
 
-    A topic without a ``bench`` module is skipped. With ``strict=False`` a bench module that fails
-    to import (say, a dependency missing on a GPU machine) is recorded in :data:`LOAD_ERRORS`
-    instead of stopping the others.
+
+def bench_modules() -> list[str]:
+    """The modules :func:`load_all` imports: ``llmu.<topic>.bench`` for every topic, in course
+    order, then those named in ``$LLMU_BENCH_MODULES``."""
+    extra = os.environ.get(EXTRA_MODULES_ENV, "").replace(",", " ").split()
+    return [f"llmu.{topic}.bench" for topic in TOPICS] + extra
+
+
+def load_all(strict: bool = True) -> dict[str, Entry]:
+    """Import every topic's ``bench`` module (and those of ``$LLMU_BENCH_MODULES``) and return the
+    registry.
+
+    A topic without a ``bench`` module is skipped; a module named in ``$LLMU_BENCH_MODULES`` that
+    does not exist is an error. With ``strict=False`` a bench module that fails to import (say, a
+    dependency missing on a GPU machine) is recorded in :data:`LOAD_ERRORS` instead of stopping
+    the others.
     """
-    for topic in TOPICS:
-        module = f"llmu.{topic}.bench"
+    topic_modules = {f"llmu.{topic}.bench" for topic in TOPICS}
+    for module in bench_modules():
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as exc:
-            if exc.name == module:
+            if exc.name == module and module in topic_modules:
                 continue
             if strict:
                 raise

@@ -390,6 +390,8 @@ def run(names: str | Iterable[str] | None = None, device=None, sizes="auto", rep
 
         for entry in selected:
             dtype = entry.gpu_dtype if on_gpu else entry.cpu_dtype
+            if on_gpu and dtype == torch.bfloat16 and not runtime.supports_bf16(dev):
+                dtype = torch.float16  # a T4 (compute capability 7.5) has no bf16: its 16-bit type is fp16
             entry_sizes = _sizes_for(entry, sizes, on_gpu)
             if not entry_sizes:
                 row = _blank_row(entry, {}, dev, dtype)

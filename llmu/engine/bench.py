@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from llmu import runtime
 from llmu.bench.registry import Entry, register
 from llmu.engine.engine import LLMEngine
 from llmu.engine.sequence import SamplingParams
@@ -127,7 +128,7 @@ def measure_serving(model, *, requests: int = 32, new: int = 32, new_min: int | 
 def _run(size: dict, device) -> list[dict]:
     from llmu.models.loading import load_model
 
-    dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    dtype = runtime.preferred_dtype(device)  # float32 on a CPU, bf16 on an A100/H100, fp16 on a T4
     model = load_model(dtype=dtype, device=device)
     keys = ("requests", "new", "new_min", "prompt_min", "prompt_max", "batch", "kv_seqs", "max_model_len", "sequential",
             "shared_prefix")

@@ -38,11 +38,11 @@ NAIVE_MAX_T = 4096
 def _setup(size, device, dtype, grad=False):
     g = torch.Generator(device="cpu").manual_seed(0)
     b, h, hkv, t, d = size["B"], size["H"], size["Hkv"], size["T"], size["D"]
-    q = torch.randn(b, h, t, d, generator=g)
-    k = torch.randn(b, hkv, t, d, generator=g)
-    v = torch.randn(b, hkv, t, d, generator=g)
+    q = torch.randn(b, h, t, d, generator=g, device="cpu")
+    k = torch.randn(b, hkv, t, d, generator=g, device="cpu")
+    v = torch.randn(b, hkv, t, d, generator=g, device="cpu")
     q, k, v = (x.to(device=device, dtype=dtype).requires_grad_(grad) for x in (q, k, v))
-    do = torch.randn(b, h, t, d, generator=g).to(device=device, dtype=dtype)
+    do = torch.randn(b, h, t, d, generator=g, device="cpu").to(device=device, dtype=dtype)
     return (q, k, v, bool(size["causal"])) + ((do,) if grad else ())
 
 

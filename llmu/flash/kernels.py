@@ -52,15 +52,30 @@ HEAD_DIMS = (16, 32, 64, 128)
 _LOG2E = 1.4426950408889634   # log2(e): exp(x) = exp2(x * log2(e)); the kernels write it out (globals are not constexpr)
 
 
-def default_blocks(head_dim: int, backward: bool = False) -> tuple[int, int, int, int]:
+def default_blocks(head_dim: int, backward: bool = False,
+                   dtype: torch.dtype = torch.float16) -> tuple[int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a launch.
 
     In the interpreter, fewer bigger tiles run faster (one numpy call per tile operation). On a
     GPU the tiles must fit in registers and shared memory: 128 queries × 64 keys for the forward
     (Triton's tutorial sizes on Hopper), smaller for the backward, which holds more tiles at once.
+    A row of a tile is ``head_dim * element size`` bytes; ``llmu gpu-compile`` measured what these
+    tiles need and the limits below follow from it:
+
+    - a T4 (compute capability 7.5) has 64 KB of shared memory and no asynchronous copies to
+      pipeline: tiles of at most 16 KB of queries (8 KB in the backward) and 8 KB of keys, one stage;
+    - an A100 (163 KB): the float32 forward at head_dim 128 needs 225 KB with Hopper's tiles, so
+      it takes 64 × 64 tiles and two stages.
     """
     if runtime.interpreting():
         return 64, 64, 4, 1
+    row_bytes = head_dim * torch.empty((), dtype=dtype).element_size()
+    cap = runtime.capability() or (9, 0)
+    if cap < (8, 0):  # the backward keeps more tiles (dq, dk, dv, the scores) alive: half the rows
+        rows = (8192 if backward else 16384) // row_bytes
+        return max(16, min(64, rows)), max(16, min(32, 8192 // row_bytes)), 4, 1
+    if not backward and row_bytes > 256 and cap < (9, 0):
+        return 64, 64, 4, 2
     if backward:
         return (64, 64, 4, 2) if head_dim <= 64 else (64, 32, 4, 2)
     return (128, 64, 4, 3) if head_dim <= 64 else (128, 64, 8, 3)
@@ -365,7 +380,7 @@ def flash_attention_forward(q, k, v, *, causal: bool = False, scale: float | Non
     _validate(q, k, v, causal, scale)
     b, h, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
-    bm, bn, warps, stages = default_blocks(d)
+    bm, bn, warps, stages = default_blocks(d, dtype=q.dtype)
     if runtime.interpreting():
         bm = min(bm, max(16, triton.next_power_of_2(tq)))   # a decode step (Tq = 1): a tile of 16 rows, not 64
     block_m, block_n = block_m or bm, block_n or bn
@@ -398,7 +413,7 @@ def flash_attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale
     if o.shape != q.shape or do.shape != q.shape or tuple(lse.shape) != (b, h, tq):
         raise ValueError(f"o and do must have q's shape {tuple(q.shape)} and lse {(b, h, tq)}; got "
                          f"{tuple(o.shape)}, {tuple(do.shape)}, {tuple(lse.shape)}")
-    bm, bn, warps, stages = default_blocks(d, backward=True)
+    bm, bn, warps, stages = default_blocks(d, backward=True, dtype=q.dtype)
     block_m, block_n = block_m or bm, block_n or bn
     _check_blocks(block_m, block_n)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)

@@ -37,10 +37,10 @@ from llmu.kvcache.reference import attend_cached
 def _setup(size, device, dtype):
     g = torch.Generator(device="cpu").manual_seed(0)
     b, h, hkv, t, d = size["B"], size["H"], size["Hkv"], size["T"], size["D"]
-    q = torch.randn(b, h, d, generator=g)
-    k = torch.randn(b, hkv, t, d, generator=g)
-    v = torch.randn(b, hkv, t, d, generator=g)
-    lengths = torch.full((b,), t, dtype=torch.int32)
+    q = torch.randn(b, h, d, generator=g, device="cpu")
+    k = torch.randn(b, hkv, t, d, generator=g, device="cpu")
+    v = torch.randn(b, hkv, t, d, generator=g, device="cpu")
+    lengths = torch.full((b,), t, dtype=torch.int32, device="cpu")
     return tuple(x.to(device=device, dtype=dtype) for x in (q, k, v)) + (lengths.to(device),)
 
 

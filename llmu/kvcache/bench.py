@@ -37,6 +37,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from llmu import runtime
 from llmu.bench.registry import Entry, Provider, register
 from llmu.kvcache import kernels, reference
 
@@ -59,8 +60,8 @@ def measure_decode(model, length: int, cached_steps: int = 5, recompute_repeats:
     """
     if length < 1:
         raise ValueError(f"length must be >= 1, got {length}")
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(100, model.config.vocab_size, (1, length + 1), generator=g).to(model.device)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.randint(100, model.config.vocab_size, (1, length + 1), generator=g, device="cpu").to(model.device)
     recompute = []
     cache = None
     for _ in range(max(1, recompute_repeats)):
@@ -98,7 +99,7 @@ def decode_costs(model, length: int, cached: bool, elem: int) -> tuple[float, fl
 def _run_decode(size: dict, device) -> list[dict]:
     from llmu.models.loading import load_model
 
-    dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    dtype = runtime.preferred_dtype(device)  # float32 on a CPU, bf16 on an A100/H100, fp16 on a T4
     model = load_model(dtype=dtype, device=device)
     t = size["T"]
     # Bounded on a CPU: a 2048-token forward pass takes seconds, so it runs once there.

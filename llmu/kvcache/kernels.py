@@ -221,6 +221,13 @@ def _decode_split_kernel(
     tl.store(plse_ptr + b * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=rows)
 
 
+def block_n(head_dim: int) -> int:
+    """Cached positions per step of the split loop: :data:`BLOCK_N`, halved on a GPU for head_dim 256,
+    whose key and value tiles (64 x 256, twice, per pipeline stage) would need 276 KB of shared
+    memory in float32, more than any GPU has (227 KB on an H100, 163 KB on an A100, 64 KB on a T4)."""
+    return BLOCK_N if runtime.interpreting() or head_dim <= 128 else BLOCK_N // 2
+
+
 def _sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -288,7 +295,7 @@ def decode_partials(q, k_cache, v_cache, lengths, num_splits: int, scale: float 
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *partial_out.stride(), *partial_lse.stride(),
             GROUP=group, GROUPED=grouped, HEAD_DIM=d,
             # per head: one real row, padded to 16 because tl.dot needs it (wasted FLOPs, not bytes)
-            BLOCK_G=max(16, triton.next_power_of_2(group if grouped else 1)), BLOCK_N=BLOCK_N,
+            BLOCK_G=max(16, triton.next_power_of_2(group if grouped else 1)), BLOCK_N=block_n(d),
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         )
     return partial_out, partial_lse

@@ -255,8 +255,8 @@ class DecodeTrace:
         return 1e3 * later[len(later) // 2]
 
 
-def _ids(ids) -> torch.Tensor:
-    t = torch.as_tensor(ids)
+def _ids(ids, device) -> torch.Tensor:
+    t = torch.as_tensor(ids, device=device)
     if t.ndim == 1:
         t = t[None]
     if t.ndim != 2 or t.shape[0] != 1 or t.is_floating_point() or t.shape[1] == 0:
@@ -267,7 +267,7 @@ def _ids(ids) -> torch.Tensor:
 @torch.inference_mode()
 def decode_recompute(model, ids, n: int) -> DecodeTrace:
     """``n`` greedy tokens, each step running the model over the WHOLE sequence so far (no cache)."""
-    seq = _ids(ids).to(model.device)
+    seq = _ids(ids, model.device)
     trace = DecodeTrace()
     for _ in range(n):
         start = time.perf_counter()
@@ -282,7 +282,7 @@ def decode_recompute(model, ids, n: int) -> DecodeTrace:
 @torch.inference_mode()
 def decode_cached(model, ids, n: int) -> DecodeTrace:
     """``n`` greedy tokens with a KV cache: the prompt once, then one token per step."""
-    seq = _ids(ids).to(model.device)
+    seq = _ids(ids, model.device)
     cache = model.new_cache(batch_size=1, max_len=seq.shape[1] + n)
     trace = DecodeTrace()
     step_in = seq

@@ -42,22 +42,22 @@ EPS = 1e-5
 
 
 def _randn(shape, g, device, dtype):
-    return torch.randn(shape, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
+    return torch.randn(shape, generator=g, dtype=torch.float32, device="cpu").to(device=device, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------- RMSNorm
 
 def _rms_setup(size, device, dtype):
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device="cpu").manual_seed(0)
     x = _randn((size["M"], size["N"]), g, device, dtype)
-    w = (torch.rand(size["N"], generator=g) + 0.5).to(device=device, dtype=dtype)
+    w = (torch.rand(size["N"], generator=g, device="cpu") + 0.5).to(device=device, dtype=dtype)
     return x, w
 
 
 def _rms_bwd_setup(size, device, dtype):
     """Inputs for the backward pass: x and w (with grad, for autograd), the forward's output, dy, rstd."""
     x, w = _rms_setup(size, device, dtype)
-    dy = _randn((size["M"], size["N"]), torch.Generator().manual_seed(1), device, dtype)
+    dy = _randn((size["M"], size["N"]), torch.Generator(device="cpu").manual_seed(1), device, dtype)
     # The forward's saved 1/rms, computed in torch (no kernel launch when the triton provider is skipped).
     rstd = torch.rsqrt(x.float().pow(2).mean(dim=-1) + EPS)
     x_req, w_req = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
@@ -116,11 +116,11 @@ RMS_NORM_BWD = register(
 # ------------------------------------------------------------------------------------------- RoPE
 
 def _rope_setup(size, device, dtype):
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device="cpu").manual_seed(0)
     b, t, hq, hk, d = size["B"], size["T"], size["Hq"], size["Hk"], size["D"]
     q = _randn((b, hq, t, d), g, device, dtype)
     k = _randn((b, hk, t, d), g, device, dtype)
-    cos, sin = reference.rope_angles(torch.arange(t), d, 1e5)
+    cos, sin = reference.rope_angles(torch.arange(t, device="cpu"), d, 1e5)
     return q, k, cos.to(device), sin.to(device)
 
 
@@ -152,13 +152,13 @@ ROPE = register(
 # ----------------------------------------------------------------------------------------- SwiGLU
 
 def _swiglu_setup(size, device, dtype):
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device="cpu").manual_seed(0)
     return _randn((size["M"], size["N"]), g, device, dtype), _randn((size["M"], size["N"]), g, device, dtype)
 
 
 def _swiglu_bwd_setup(size, device, dtype):
     gate, up = _swiglu_setup(size, device, dtype)
-    dy = _randn((size["M"], size["N"]), torch.Generator().manual_seed(1), device, dtype)
+    dy = _randn((size["M"], size["N"]), torch.Generator(device="cpu").manual_seed(1), device, dtype)
     g_req, u_req = gate.clone().requires_grad_(True), up.clone().requires_grad_(True)
     y_ref = reference.silu_mul(g_req, u_req)
     y_builtin = F.silu(g_req) * u_req

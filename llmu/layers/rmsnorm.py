@@ -113,7 +113,7 @@ def _num_partials(n_blocks: int) -> int:
     if runtime.interpreting():
         cap = 4  # each program is a Python loop in the interpreter: few, long programs are fastest
     else:
-        cap = 4 * torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        cap = 4 * runtime.sm_count()
     return max(1, min(n_blocks, cap))
 
 

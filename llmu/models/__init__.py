@@ -23,7 +23,22 @@ from llmu.models.llama import Linear, LlamaModel, ModelOutput, make_trainable, t
 from llmu.models.loading import load_model
 from llmu.models.quants import dequantize
 from llmu.models.sampling import SamplingParams
-from llmu.models.tokenizer import Tokenizer, load_tokenizer
+
+# The tokenizer needs the `tokenizers` library, which kernel and benchmark code does not: a GPU
+# machine with only torch and Triton still imports llmu.models (llmu.flash, llmu.paged and
+# llmu.scale build on it). `Tokenizer` and `load_tokenizer` are imported on first use.
+_LAZY = {"Tokenizer": "llmu.models.tokenizer", "load_tokenizer": "llmu.models.tokenizer"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "GGUFFile",

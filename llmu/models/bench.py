@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from llmu import runtime
 from llmu.bench.registry import Entry, register
 
 
@@ -113,7 +114,7 @@ def measure(model, prompt_len: int = 128, new_tokens: int = 128, repeats: int = 
 def _run(size: dict, device) -> list[dict]:
     from llmu.models.loading import load_model
 
-    dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    dtype = runtime.preferred_dtype(device)  # float32 on a CPU, bf16 on an A100/H100, fp16 on a T4
     model = load_model(dtype=dtype, device=device)
     providers = ["llmu"]
     try:

@@ -115,7 +115,7 @@ def generate_ids(model, prompt_ids: Sequence[int], max_new_tokens: int, params: 
             generator.seed()
     # every token so far, for the repetition penalty (preallocated, filled as we go)
     context = torch.empty(1, total, dtype=torch.long, device=device)
-    context[0, : len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long)
+    context[0, : len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long, device=device)
     n = len(prompt_ids)
     if cache is None:
         cache = KVCache.for_model(model, batch_size=1, max_len=total)

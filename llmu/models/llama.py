@@ -40,13 +40,13 @@ from llmu.models.config import LlamaConfig
 
 
 def llama3_inv_freq(head_dim: int, base: float, scaling: dict) -> torch.Tensor:
-    """RoPE frequencies of Llama 3.1/3.2, stretched for a longer context (float64, ``(head_dim/2,)``).
+    """RoPE frequencies of Llama 3.1/3.2, stretched for a longer context (float64, ``(head_dim/2,)``, CPU).
 
     Slow pairs (wavelength longer than ``original_max_position_embeddings / low_freq_factor``) are
     slowed down ``factor`` times, fast pairs (shorter than ``.. / high_freq_factor``) are kept, and
     the ones in between are interpolated.
     """
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
     factor = scaling["factor"]
     low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
     old_len = scaling.get("original_max_position_embeddings", 8192)
@@ -270,7 +270,8 @@ class LlamaModel(nn.Module):
         positions = torch.arange(n, device=self.device)
         c = self.config
         if c.rope_scaling and c.rope_scaling.get("rope_type", c.rope_scaling.get("type")) == "llama3":
-            angles = positions.double()[:, None] * llama3_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+            inv_freq = llama3_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(self.device)
+            angles = positions.double()[:, None] * inv_freq
             return angles.cos().float(), angles.sin().float()
         return rope_angles(positions, c.head_dim, c.rope_theta)
 
@@ -295,7 +296,7 @@ class LlamaModel(nn.Module):
         ``logits_at`` (``(K,)`` indices into the T tokens) picks the tokens whose logits are needed.
         """
         if not isinstance(input_ids, torch.Tensor):
-            input_ids = torch.tensor(input_ids, dtype=torch.long)
+            input_ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         if input_ids.ndim == 1:
             input_ids = input_ids[None]
         if input_ids.ndim != 2:
@@ -310,7 +311,7 @@ class LlamaModel(nn.Module):
         if positions is not None:
             if position is not None:
                 raise ValueError("pass either position (of the first token) or positions (of every token), not both")
-            positions = torch.as_tensor(positions).to(self.device)
+            positions = torch.as_tensor(positions, device=self.device)
             if positions.shape != (t,) or positions.is_floating_point():
                 raise ValueError(f"positions must be {t} integers (one per token), got {tuple(positions.shape)} "
                                  f"{positions.dtype}")
@@ -392,25 +393,26 @@ def make_trainable(config: LlamaConfig, seed: int = 0, *, std: float = 0.02, dev
     if isinstance(std, bool) or not isinstance(std, (int, float)) or not std > 0:
         raise ValueError(f"std must be a positive number, got {std!r}")
     model = LlamaModel(config, dtype=dtype, device=device)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device="cpu").manual_seed(seed)   # drawn on the CPU: the same weights on any device
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim == 1:                          # biases start at 0, RMSNorm gains at 1
                 p.fill_(0.0 if name.endswith("bias") else 1.0)
             else:
-                p.copy_(torch.randn(p.shape, generator=g).mul_(std))
+                p.copy_(torch.randn(p.shape, generator=g, device="cpu").mul_(std))
     return model.train().requires_grad_(True)
 
 
 def tiny_llama(seed: int = 0, *, scale: float = 0.2, **overrides) -> LlamaModel:
-    """A small decoder with random weights (seeded), in eval mode: for tests and quick experiments.
+    """A small decoder with random weights (seeded), in eval mode, on the CPU (move it with ``.to``):
+    for tests and quick experiments.
 
     Weights are ``N(0, scale^2)``, norm gains ``1 + N(0, scale^2)``. ``overrides`` change fields of
     :data:`TINY_CONFIG` (any ``LlamaConfig`` field, such as ``head_dim=16`` or ``eos_token_id=96``).
     """
-    model = LlamaModel(LlamaConfig(**{**TINY_CONFIG, **overrides}))
-    g = torch.Generator().manual_seed(seed)
+    model = LlamaModel(LlamaConfig(**{**TINY_CONFIG, **overrides}), device="cpu")
+    g = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * scale + (1.0 if p.ndim == 1 else 0.0))
+            p.copy_(torch.randn(p.shape, generator=g, device="cpu") * scale + (1.0 if p.ndim == 1 else 0.0))
     return model.eval()

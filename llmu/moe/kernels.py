@@ -142,9 +142,10 @@ def sort_by_expert(experts: torch.Tensor, num_experts: int):
 
     A counting sort: ``counts = bincount(experts)`` (the histogram), ``offsets`` its exclusive
     prefix sum, and ``order`` the flattened assignment indices sorted by expert with a *stable*
-    sort (token order inside an expert). Assignments marked ``-1`` are left out.
+    sort (token order inside an expert). Assignments marked ``-1`` are left out. Plain torch: it
+    runs on any device (the torch providers and expert parallelism call it on CPU tensors too).
     """
-    require_tensor("experts", experts, ndim=2, dtypes=INDEX_DTYPES)
+    require_tensor("experts", experts, ndim=2, dtypes=INDEX_DTYPES, device=None)
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
     flat = experts.reshape(-1).to(torch.int64)

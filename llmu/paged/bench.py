@@ -75,10 +75,10 @@ def _paged_setup(b, h, hkv, ctx, q_len, d, block_size, device, dtype):
     # Filled on the device: gigabytes of cache would take long to make on the host and copy over.
     k_cache = torch.randn(num_blocks, block_size, hkv, d, device=device, dtype=dtype)
     v_cache = torch.randn(num_blocks, block_size, hkv, d, device=device, dtype=dtype)
-    tables = torch.randperm(num_blocks, generator=g).view(b, per_seq).to(device=device, dtype=torch.int32)
+    tables = torch.randperm(num_blocks, generator=g, device="cpu").view(b, per_seq).to(device=device, dtype=torch.int32)
     lens = torch.full((b,), ctx, dtype=torch.int32, device=device)
     cu = torch.arange(0, (b + 1) * q_len, q_len, dtype=torch.int32, device=device)
-    q = torch.randn(b * q_len, h, d, generator=g).to(device=device, dtype=dtype)
+    q = torch.randn(b * q_len, h, d, generator=g, device="cpu").to(device=device, dtype=dtype)
     # the contiguous copy: position p of sequence i is row p % bs of block tables[i, p // bs]
     k = k_cache[tables.long()].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
     v = v_cache[tables.long()].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()

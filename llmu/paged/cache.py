@@ -162,7 +162,7 @@ class PagedBatch:
 
     def __init__(self, pool: PagedKVCache, block_tables, context_lens, cu_seqlens_q, slots, *, impl=None):
         device = pool.k[0].device
-        as_idx = lambda x, dt: torch.as_tensor(x, dtype=dt).to(device)  # noqa: E731
+        as_idx = lambda x, dt: torch.as_tensor(x, dtype=dt, device=device)  # noqa: E731
         self.pool = pool
         self.block_tables = as_idx(block_tables, torch.int32)
         self.context_lens = as_idx(context_lens, torch.int32)

@@ -285,6 +285,13 @@ def _paged_prefill_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
+def decode_block_n(head_dim: int) -> int:
+    """Cached positions per step of the paged decode loop: :data:`DECODE_BLOCK_N`, halved on a GPU
+    for head_dim 256, whose 64-position key and value tiles need 80 KB of shared memory even in
+    16-bit: more than a T4's 64 KB (``llmu gpu-compile`` measured it)."""
+    return DECODE_BLOCK_N if runtime.interpreting() or head_dim <= 128 else DECODE_BLOCK_N // 2
+
+
 def check_block_size(block_size: int) -> int:
     """The kernels take blocks of a power of two >= 16 positions (``p // block_size`` is a shift)."""
     bad_type = isinstance(block_size, bool) or not isinstance(block_size, int)
@@ -344,7 +351,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, num_splits, 
         GROUP=group, HEAD_DIM=d, BLOCK_SIZE=bs,
         # one row per query head of the group, padded to 16 because tl.dot needs it (FLOPs, not bytes)
         BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=DECODE_BLOCK_N, UPCAST=upcast, PRECISION=precision,
+        BLOCK_N=decode_block_n(d), UPCAST=upcast, PRECISION=precision,
     )
     return partial_out, partial_lse
 
@@ -386,12 +393,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return combine_partials(partial_out, partial_lse, out_dtype=q.dtype)
 
 
-def _prefill_blocks(head_dim: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)``: module 08's forward tiles; smaller for D = 256,
-    whose ``(BLOCK_M, D)`` float32 accumulator would not fit in registers at 128 rows."""
-    if head_dim > 128 and not runtime.interpreting():
+def _prefill_blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)``: module 08's forward tiles (which shrink to a
+    T4's shared memory); smaller for D = 256 on larger GPUs, whose ``(BLOCK_M, D)`` float32
+    accumulator would not fit in registers at 128 rows."""
+    cap = runtime.capability() or (9, 0)
+    if head_dim > 128 and not runtime.interpreting() and cap >= (8, 0):
         return 64, 32, 8, 2
-    return default_blocks(head_dim)
+    return default_blocks(head_dim, dtype=dtype)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -420,7 +429,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     out = torch.empty_like(q)
     if b == 0:
         return out
-    block_m, block_n, warps, stages = _prefill_blocks(d)
+    block_m, block_n, warps, stages = _prefill_blocks(d, q.dtype)
     max_q = int(q_lens.max())
     if runtime.interpreting():
         block_m = min(block_m, max(16, triton.next_power_of_2(max_q)))   # short chunks: a tile of 16, not 64

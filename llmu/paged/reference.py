@@ -94,7 +94,7 @@ def check_block_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, b
         raise ValueError(f"block_tables has {block_tables.shape[1]} columns but a context of {int(lens.max())} "
                          f"positions needs {int(need.max())} blocks of {block_size}")
     tables = block_tables.to("cpu", torch.int64)
-    used = torch.arange(tables.shape[1])[None, :] < need[:, None]
+    used = torch.arange(tables.shape[1], device="cpu")[None, :] < need[:, None]
     ids = tables[used]
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
         raise ValueError(f"block_tables: the blocks the contexts use must be in 0..{num_blocks - 1}, got ids "
@@ -150,7 +150,9 @@ def slot_mapping(block_table, start: int, end: int, block_size: int) -> torch.Te
 
     ``slot = block_table[p // block_size] * block_size + p % block_size`` (int64, ``(end - start,)``).
     """
-    table = torch.as_tensor(block_table, dtype=torch.int64)
+    # a list of block ids becomes a CPU tensor; a tensor stays where it is
+    device = block_table.device if isinstance(block_table, torch.Tensor) else "cpu"
+    table = torch.as_tensor(block_table, dtype=torch.int64, device=device)
     if not 0 <= start <= end <= table.numel() * block_size:
         raise ValueError(f"positions {start}..{end - 1} do not fit a table of {table.numel()} blocks of {block_size}")
     p = torch.arange(start, end, device=table.device)
@@ -286,16 +288,16 @@ def to_paged(k: torch.Tensor, v: torch.Tensor, lengths, *, block_size: int = 16,
     num_blocks = num_blocks if num_blocks is not None else total + 3
     if num_blocks < total:
         raise ValueError(f"num_blocks ({num_blocks}) is fewer than the {total} blocks these lengths need")
-    g = torch.Generator().manual_seed(seed)
-    order = torch.randperm(num_blocks, generator=g) if shuffle else torch.arange(num_blocks)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    order = torch.randperm(num_blocks, generator=g, device="cpu") if shuffle else torch.arange(num_blocks, device="cpu")
     k_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=k.dtype, device=k.device)
     v_cache = torch.full_like(k_cache, float("nan"))
-    tables = torch.full((b, max(per_seq)), -1, dtype=torch.int32)
+    tables = torch.full((b, max(per_seq)), -1, dtype=torch.int32, device="cpu")
     nxt = 0
     for i in range(b):
         tables[i, : per_seq[i]] = order[nxt : nxt + per_seq[i]].to(torch.int32)
         nxt += per_seq[i]
         slots = slot_mapping(tables[i, : per_seq[i]], 0, lengths[i], block_size).to(k.device)
         write_kv(k_cache, v_cache, k[i, :, : lengths[i]].transpose(0, 1), v[i, :, : lengths[i]].transpose(0, 1), slots)
-    lens = torch.tensor(lengths, dtype=torch.int32)
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cpu")
     return k_cache, v_cache, tables.to(k.device), lens.to(k.device)

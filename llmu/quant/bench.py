@@ -26,6 +26,7 @@ import statistics
 
 import torch
 
+from llmu import runtime
 from llmu.bench.registry import Entry, register
 
 __all__ = ["INT8_DECODE", "measure_decode", "int8_model"]
@@ -77,8 +78,9 @@ def _run(size: dict, device) -> list[dict]:
     from llmu.quant.apply import model_nbytes
 
     cpu = torch.device(device).type == "cpu"
-    dtypes = (torch.float32, torch.bfloat16) if cpu else (torch.bfloat16,)
-    names = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+    half = runtime.half_dtype(device)  # bf16, or fp16 on a GPU without bf16 (a T4)
+    dtypes = (torch.float32, half) if cpu else (half,)
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
     rows, fp32_tps = [], None
     for dtype in dtypes:  # one pair at a time: only two models in memory
         base = load_model(dtype=dtype, device=device)

@@ -54,7 +54,7 @@ LAYERS = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 1433
 
 def _weights(size, device, dtype):
     g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(size["M"], size["K"], generator=g).to(device=device, dtype=dtype)
+    x = torch.randn(size["M"], size["K"], generator=g, device="cpu").to(device=device, dtype=dtype)
     # Made on the device: a 14336 x 4096 matrix would be slow to make on the host and copy over.
     w = (torch.randn(size["N"], size["K"], device=device) * 0.02).to(dtype)
     return x, w

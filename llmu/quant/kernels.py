@@ -348,14 +348,20 @@ def _gemv_blocks(n: int, kh: int, group_size: int | None = None) -> tuple[int, i
     return block_n, block_kh, 4
 
 
-def _gemm_blocks(m: int, n: int, kh: int) -> tuple[int, int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_KH, num_warps, num_stages)`` of the GEMMs."""
+def _gemm_blocks(m: int, n: int, kh: int, dtype: torch.dtype = torch.float16) -> tuple[int, int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_KH, num_warps, num_stages)`` of the GEMMs.
+
+    Each pipeline stage keeps one tile of ``x``, of the packed weights and, for groups smaller
+    than a tile, of the scales and zeros in shared memory. With float32 ``x`` three or four stages
+    need up to 236 KB (``llmu gpu-compile`` measured it), past an A100's 163 KB and an H100's
+    227 KB: float32 gets two stages."""
     if runtime.interpreting():
         return (min(32, max(16, triton.next_power_of_2(m))), min(64, max(16, triton.next_power_of_2(n))),
                 min(32, max(16, triton.next_power_of_2(kh))), 4, 1)
+    two_byte = dtype != torch.float32
     if m <= 64:
-        return 16 if m <= 16 else 64, 64, 64, 4, 4
-    return 128, 128, 32, 8, 3
+        return 16 if m <= 16 else 64, 64, 64, 4, 4 if two_byte else 2
+    return 128, 128, 32, 8, 3 if two_byte else 2
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
@@ -401,7 +407,7 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
             BLOCK_N=block_n, BLOCK_KH=block_kh, GROUP_TILE=group_size % (2 * block_kh) == 0, num_warps=warps,
         )
     else:
-        block_m, block_n, block_kh, warps, stages = _gemm_blocks(m, n, kh)
+        block_m, block_n, block_kh, warps, stages = _gemm_blocks(m, n, kh, x.dtype)
         upcast, precision = _dot_options(x.dtype)
         grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
         _int4_gemm_kernel[grid](
@@ -446,7 +452,7 @@ def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, *, pa
             x2, codes, scale, y, n, k, *common, BLOCK_N=block_n, BLOCK_K=2 * block_kh, num_warps=warps,
         )
     else:
-        block_m, block_n, block_kh, warps, stages = _gemm_blocks(m, n, k // 2)
+        block_m, block_n, block_kh, warps, stages = _gemm_blocks(m, n, k // 2, x.dtype)
         upcast, precision = _dot_options(x.dtype)
         grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
         _int8_gemm_kernel[grid](

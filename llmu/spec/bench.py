@@ -211,12 +211,12 @@ def accept_reject_setup(size, device, dtype):
     """``(p, q, draft, u, r)`` for ``B`` sequences, ``gamma`` proposals, ``V`` tokens (seeded)."""
     b, gamma, v = size["B"], size["gamma"], size["V"]
     g = torch.Generator(device="cpu").manual_seed(0)
-    logits = torch.randn(b, gamma + 1, v, generator=g) * 3
+    logits = torch.randn(b, gamma + 1, v, generator=g, device="cpu") * 3
     p = logits.softmax(-1)
-    q = (logits[:, :gamma] + torch.randn(b, gamma, v, generator=g)).softmax(-1)
+    q = (logits[:, :gamma] + torch.randn(b, gamma, v, generator=g, device="cpu")).softmax(-1)
     draft = torch.multinomial(q.reshape(-1, v), 1, generator=g).reshape(b, gamma)
-    u = torch.rand(b, gamma, generator=g)
-    r = torch.rand(b, generator=g)
+    u = torch.rand(b, gamma, generator=g, device="cpu")
+    r = torch.rand(b, generator=g, device="cpu")
     return (p.to(device=device, dtype=dtype), q.to(device=device, dtype=dtype), draft.to(device),
             u.to(device), r.to(device))
 

@@ -141,7 +141,7 @@ def speculative_generate(target, draft: Draft, prompt_ids: Sequence[int], max_ne
     if cache not in CACHES:
         raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
     accept_fn = accept_fn or reference.accept_reject
-    generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+    generator = torch.Generator(device="cpu").manual_seed(params.seed) if params.seed is not None else None
     max_len = len(prompt) + max_new_tokens + gamma + 1
     kv = _target_cache(target, cache, max_len, block_size)
     draft.begin(max_len)
@@ -163,18 +163,18 @@ def speculative_generate(target, draft: Draft, prompt_ids: Sequence[int], max_ne
         # -- 3. accept a prefix of the proposals, then one more token
         if params.greedy:
             accepted, nxt = reference.greedy_accept(logits.argmax(dim=-1)[None].cpu(),
-                                                    torch.tensor([proposal], dtype=torch.long))
+                                                    torch.tensor([proposal], dtype=torch.long, device="cpu"))
         elif not proposal:  # nothing proposed: an ordinary sampling step from p_1
-            r = torch.rand(1, generator=generator)
-            accepted, nxt = torch.zeros(1, dtype=torch.long), reference.inverse_cdf(
+            r = torch.rand(1, generator=generator, device="cpu")
+            accepted, nxt = torch.zeros(1, dtype=torch.long, device="cpu"), reference.inverse_cdf(
                 probabilities(logits, params)[:1].cpu(), r)
         else:
             p = probabilities(logits, params)[None]
             d = torch.tensor([proposal], dtype=torch.long, device=p.device)
             qq = (q.to(p.device)[None] if q is not None
                   else reference.one_hot_draft(d, p.shape[-1]))
-            u = torch.rand(1, len(proposal), generator=generator).to(p.device)
-            r = torch.rand(1, generator=generator).to(p.device)
+            u = torch.rand(1, len(proposal), generator=generator, device="cpu").to(p.device)
+            r = torch.rand(1, generator=generator, device="cpu").to(p.device)
             accepted, nxt = accept_fn(p, qq, d, u, r)
         n = int(accepted[0])
         new = proposal[:n] + [int(nxt[0])]

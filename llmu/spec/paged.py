@@ -98,7 +98,7 @@ class PagedTarget:
         table = bm.table(self.seq_id)
         batch = self.pool.batch([table], [end], [0, len(ids)], slot_mapping(table, start, end, bs), impl=self.impl)
         x = torch.tensor([ids], device=self.model.device)
-        logits = self.model(x, positions=torch.arange(start, end), cache=batch).logits[0]
+        logits = self.model(x, positions=torch.arange(start, end, device=self.model.device), cache=batch).logits[0]
         self._length = end
         return logits
 

@@ -42,9 +42,9 @@ def setup(size, device, dtype):
     """``(x, W, y)``: unit-variance hidden states, an ``nn.Linear``-scaled head (O(1) logits), random targets."""
     n, h, v = require_size(size, SIZE_KEYS)
     g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(n, h, generator=g).to(device=device, dtype=dtype).requires_grad_(True)
-    w = (torch.randn(v, h, generator=g) * h ** -0.5).to(device=device, dtype=dtype).requires_grad_(True)
-    y = torch.randint(0, v, (n,), generator=g).to(device)
+    x = torch.randn(n, h, generator=g, device="cpu").to(device=device, dtype=dtype).requires_grad_(True)
+    w = (torch.randn(v, h, generator=g, device="cpu") * h ** -0.5).to(device=device, dtype=dtype).requires_grad_(True)
+    y = torch.randint(0, v, (n,), generator=g, device="cpu").to(device)
     return x, w, y
 
 

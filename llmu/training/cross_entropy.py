@@ -285,10 +285,10 @@ def measure_peak_memory(n: int = 2048, hidden: int = 576, vocab: int = 49152, *,
     """
     from llmu.flash.memory import LiveBytes
 
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, hidden, generator=g).to(dtype).requires_grad_(True)
-    weight = (torch.randn(vocab, hidden, generator=g) * hidden ** -0.5).to(dtype).requires_grad_(True)
-    target = torch.randint(0, vocab, (n,), generator=g)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(n, hidden, generator=g, device="cpu").to(dtype).requires_grad_(True)
+    weight = (torch.randn(vocab, hidden, generator=g, device="cpu") * hidden ** -0.5).to(dtype).requires_grad_(True)
+    target = torch.randint(0, vocab, (n,), generator=g, device="cpu")
 
     def run(loss_fn):
         loss = loss_fn(x, weight, target)

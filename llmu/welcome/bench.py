@@ -19,14 +19,14 @@ from llmu.welcome import kernels, reference
 
 def _add_setup(size, device, dtype):
     g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(size["N"], generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
-    y = torch.randn(size["N"], generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
+    x = torch.randn(size["N"], generator=g, dtype=torch.float32, device="cpu").to(device=device, dtype=dtype)
+    y = torch.randn(size["N"], generator=g, dtype=torch.float32, device="cpu").to(device=device, dtype=dtype)
     return x, y
 
 
 def _softmax_setup(size, device, dtype):
     g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(size["M"], size["N"], generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
+    x = torch.randn(size["M"], size["N"], generator=g, dtype=torch.float32, device="cpu").to(device=device, dtype=dtype)
     return (x,)
 
 

@@ -9,6 +9,8 @@ import llmu  # noqa: F401
 from llmu.attention import bench
 from llmu.bench.registry import REGISTRY, load_all
 
+pytestmark = pytest.mark.kernels
+
 
 def test_entries_are_registered():
     load_all()
@@ -36,10 +38,10 @@ def test_attention_formulas():
 
 
 @pytest.mark.parametrize("name", ["softmax_temperature", "attention_naive"])
-def test_providers_agree_on_the_smallest_cpu_size(name):
+def test_providers_agree_on_the_smallest_cpu_size(name, kdev):
     entry = REGISTRY[name] if name in REGISTRY else load_all()[name]
     size = entry.cpu_sizes[0]
-    inputs = entry.setup(size, torch.device("cpu"), torch.float32)
+    inputs = entry.setup(size, kdev, torch.float32)
     outs = {pname: p.fn(*inputs) for pname, p in entry.providers.items()}
     ref = outs["llmu torch"]
     for pname, out in outs.items():

@@ -25,6 +25,8 @@ import llmu  # noqa: F401
 from llmu.attention import kernels, reference
 from llmu.runtime import interpreting, kernel_device
 
+pytestmark = pytest.mark.kernels
+
 KDEV = kernel_device()
 
 F32 = dict(atol=1e-5, rtol=1e-5)

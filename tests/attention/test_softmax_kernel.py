@@ -25,6 +25,8 @@ from llmu.attention import kernels, reference
 from llmu.attention.kernels import SOFTMAX_ONE_BLOCK_MAX
 from llmu.runtime import kernel_device
 
+pytestmark = pytest.mark.kernels
+
 KDEV = kernel_device()  # cpu in Triton's interpreter, cuda when the kernels are compiled
 
 F32 = dict(atol=1e-6, rtol=1e-5)

@@ -444,3 +444,56 @@ def test_cli_saves_partial_results_when_terminated(tmp_path):
     data = bench.load(out_file)
     assert data["interrupted"] is True
     assert 1 <= len(data["rows"]) < 199 and data["rows"][0]["status"] == "ok"
+
+
+def test_cli_strict_fails_on_modules_that_did_not_import(cli_entry, monkeypatch, capsys):
+    monkeypatch.setitem(registry_mod.LOAD_ERRORS, "llmu._planted.bench", "ImportError: no gguf here")
+    assert bench.cli_main(["--list"]) == 0  # without --strict: a warning only
+    assert bench.cli_main(["--list", "--strict"]) == 1
+    assert "strict: llmu._planted.bench did not import, its entries were not measured: ImportError: no gguf here" \
+        in capsys.readouterr().err
+    run = ["cli_scale_test", "--device", "cpu", "--repeats", "3"]
+    assert bench.cli_main(run) == 0
+    assert bench.cli_main([*run, "--strict"]) == 1
+    assert "strict: llmu._planted.bench did not import" in capsys.readouterr().err
+
+
+def test_cli_strict_fails_when_the_budget_left_sizes_unmeasured(cli_entry, capsys):
+    args = ["cli_scale_test", "--device", "cpu", "--budget", "0"]
+    assert bench.cli_main(args) == 0  # skipped rows are no failure...
+    assert bench.cli_main([*args, "--strict"]) == 1  # ...but under --strict, unmeasured sizes are
+    assert "strict: cli_scale_test: 1 size(s) not measured, the --budget ran out before them" in capsys.readouterr().err
+
+
+def test_cli_strict_passes_skipped_rows(monkeypatch):
+    entry = _entry(name="cli_skips_test", providers={"k": Provider(lambda x: x, "triton"),
+                                                     "ext": Provider(_no_external, "external")},
+                   cpu_sizes=[{"N": 8}])
+    monkeypatch.setitem(registry_mod.REGISTRY, entry.name, entry)
+    assert bench.cli_main(["cli_skips_test", "--device", "cpu", "--strict"]) == 0
+
+
+def test_bench_modules_env_loads_more_modules(tmp_path, monkeypatch):
+    import sys
+
+    (tmp_path / "planted_bench_ok.py").write_text(
+        "import torch\nfrom llmu.bench.registry import Entry, Provider, register\n"
+        "register(Entry(name='planted_env_entry', module='99_test', description='x',\n"
+        "               providers={'p': Provider(lambda x: x, 'torch')}, setup=lambda s, d, t: (None,)))\n")
+    (tmp_path / "planted_bench_broken.py").write_text("import no_such_module_for_this_test\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("LLMU_BENCH_MODULES", "planted_bench_ok, planted_bench_broken planted_bench_missing")
+    try:
+        assert registry_mod.bench_modules()[-3:] == ["planted_bench_ok", "planted_bench_broken",
+                                                     "planted_bench_missing"]
+        registry = registry_mod.load_all(strict=False)
+        assert "planted_env_entry" in registry
+        assert "no_such_module_for_this_test" in registry_mod.LOAD_ERRORS["planted_bench_broken"]
+        assert "planted_bench_missing" in registry_mod.LOAD_ERRORS  # named, so missing is an error
+        with pytest.raises(ModuleNotFoundError, match="no_such_module_for_this_test"):
+            registry_mod.load_all(strict=True)
+    finally:
+        registry_mod.REGISTRY.pop("planted_env_entry", None)
+        for name in ("planted_bench_ok", "planted_bench_broken", "planted_bench_missing"):
+            registry_mod.LOAD_ERRORS.pop(name, None)
+            sys.modules.pop(name, None)

@@ -18,6 +18,8 @@ from llmu.embeddings import (
 )
 from llmu.runtime import kernel_device
 
+pytestmark = pytest.mark.kernels
+
 KDEV = kernel_device()  # where the kernels take their tensors: cpu (interpreter) or cuda (compiled)
 
 # Tolerances. Cosines lie in [-1, 1]. In float32 the kernel sums D products in a different order
@@ -206,6 +208,6 @@ def test_pca_finds_the_planted_directions():
 
 def test_pca_bad_inputs():
     with pytest.raises(ValueError, match="k=3 components need"):
-        pca(torch.randn(2, 10), 3)
+        pca(torch.randn(2, 10, device="cpu"), 3)
     with pytest.raises(ValueError, match="x must be a 2-D matrix"):
-        pca(torch.randn(10))
+        pca(torch.randn(10, device="cpu"))

@@ -9,6 +9,8 @@ import llmu  # noqa: F401
 from llmu.bench.registry import REGISTRY, TOPICS, load_all
 from llmu.flash import bench
 
+pytestmark = pytest.mark.kernels
+
 
 def test_entries_are_registered_with_the_sizes_that_matter():
     assert "flash" in TOPICS
@@ -33,12 +35,12 @@ def test_flop_formulas_follow_the_papers():
 
 
 @pytest.mark.parametrize("entry", [bench.FLASH_FORWARD, bench.FLASH_FORWARD_BACKWARD], ids=lambda e: e.name)
-def test_providers_agree_on_a_small_size(entry):
+def test_providers_agree_on_a_small_size(entry, kdev):
     size = {"B": 1, "H": 2, "Hkv": 2, "T": 48, "D": 32, "causal": True}
-    setup = entry.setup(size, "cpu", torch.float32)
+    setup = entry.setup(size, kdev, torch.float32)
     ref = entry.providers["naive"].fn(*setup)
     for name in ("llmu triton", "llmu torch", "torch sdpa"):
-        got = entry.providers[name].fn(*entry.setup(size, "cpu", torch.float32))
+        got = entry.providers[name].fn(*entry.setup(size, kdev, torch.float32))
         if isinstance(ref, torch.Tensor):
             torch.testing.assert_close(got, ref, atol=5e-5, rtol=0)
         else:
@@ -47,6 +49,6 @@ def test_providers_agree_on_a_small_size(entry):
 
 
 def test_slow_providers_refuse_big_sizes():
-    q = torch.zeros(1, 1, bench.TORCH_TILED_MAX_T + 1, 16)
+    q = torch.zeros(1, 1, bench.TORCH_TILED_MAX_T + 1, 16, device="cpu")
     with pytest.raises(ValueError, match="not run above"):
         bench._tiled(q, q, q, True)

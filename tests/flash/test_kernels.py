@@ -24,6 +24,8 @@ from llmu import runtime
 from llmu.attention.reference import attention, causal_mask
 from llmu.flash import kernels
 
+pytestmark = pytest.mark.kernels
+
 DEV = runtime.kernel_device()
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 GTOL = {torch.float32: 5e-5, torch.bfloat16: 1.5e-1, torch.float16: 2e-2}
@@ -31,10 +33,10 @@ DTYPES = [torch.float32] if runtime.interpreting() else [torch.float32, torch.bf
 
 
 def qkv(b, h, hkv, tq, tk, d, dtype=torch.float32, seed=0, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, h, tq, d, generator=g) * scale
-    k = torch.randn(b, hkv, tk, d, generator=g) * scale
-    v = torch.randn(b, hkv, tk, d, generator=g)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(b, h, tq, d, generator=g, device="cpu") * scale
+    k = torch.randn(b, hkv, tk, d, generator=g, device="cpu") * scale
+    v = torch.randn(b, hkv, tk, d, generator=g, device="cpu")
     return tuple(x.to(DEV, dtype).requires_grad_() for x in (q, k, v))
 
 
@@ -69,7 +71,7 @@ def test_forward_and_backward_match_naive_and_sdpa(b, h, hkv, tq, tk, d, causal,
     torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=0)
     torch.testing.assert_close(out.float(), sdpa(q, k, v, causal), atol=TOL[dtype], rtol=0)
 
-    do = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(DEV, dtype)
+    do = torch.randn(out.shape, generator=torch.Generator(device="cpu").manual_seed(1), device="cpu").to(DEV, dtype)
     got = grads(out, (q, k, v), do)
     want = grads(sdpa(q, k, v, causal), (q, k, v), do.float())
     for name, g, w in zip("qkv", got, want):
@@ -173,10 +175,10 @@ def test_backend_registration():
 
 def test_strided_inputs_as_the_model_makes_them():
     # the decoder makes q, k, v as views (B, T, H, D) -> (B, H, T, D): not contiguous
-    g = torch.Generator().manual_seed(7)
-    qs = torch.randn(2, 40, 6, 32, generator=g).to(DEV).transpose(1, 2).requires_grad_()
-    ks = torch.randn(2, 40, 2, 32, generator=g).to(DEV).transpose(1, 2).requires_grad_()
-    vs = torch.randn(2, 40, 2, 32, generator=g).to(DEV).transpose(1, 2).requires_grad_()
+    g = torch.Generator(device="cpu").manual_seed(7)
+    qs = torch.randn(2, 40, 6, 32, generator=g, device="cpu").to(DEV).transpose(1, 2).requires_grad_()
+    ks = torch.randn(2, 40, 2, 32, generator=g, device="cpu").to(DEV).transpose(1, 2).requires_grad_()
+    vs = torch.randn(2, 40, 2, 32, generator=g, device="cpu").to(DEV).transpose(1, 2).requires_grad_()
     assert not qs.is_contiguous()
     out = kernels.flash_attention(qs, ks, vs, causal=True)
     ref = sdpa(qs, ks, vs, True)

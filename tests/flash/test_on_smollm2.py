@@ -10,7 +10,7 @@ import torch
 import llmu.flash  # noqa: F401  (registers the "flash" backend)
 from llmu.models import generate
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.kernels]
 
 
 @pytest.fixture

@@ -18,7 +18,11 @@ from llmu.gqa import bench
 from llmu.gqa.kernels import gqa_decode, gqa_decode_partials
 from llmu.kvcache import kernels as kv_kernels
 from llmu.kvcache.reference import attend_cached
-from llmu.runtime import interpreting
+from llmu.runtime import interpreting, kernel_device
+
+pytestmark = pytest.mark.kernels
+
+DEV = kernel_device()
 
 # float32 in and out: the kernel accumulates in float32 in a different order than torch, so
 # results agree to a few ulps of the O(1) outputs; 1e-5 leaves room for long rows.
@@ -26,16 +30,17 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 def _inputs(b, h, hkv, t, d, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(b, h, d, generator=g).to(dtype), torch.randn(b, hkv, t, d, generator=g).to(dtype),
-            torch.randn(b, hkv, t, d, generator=g).to(dtype))
+    """q ``(B, H, D)`` and the caches ``(B, Hkv, T, D)``, drawn on the CPU and moved to the kernel device."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    shapes = ((b, h, d), (b, hkv, t, d), (b, hkv, t, d))
+    return tuple(torch.randn(shape, generator=g, device="cpu").to(DEV, dtype) for shape in shapes)
 
 
 @pytest.mark.parametrize("grouped", [True, False])
 def test_is_module_06s_kernel(grouped):
     # one kernel: the wrapper's output is bit for bit decode_attention's
     q, k, v = _inputs(2, 9, 3, 90, 32)
-    lengths = torch.tensor([90, 41])
+    lengths = torch.tensor([90, 41], device=DEV)
     want = kv_kernels.decode_attention(q, k, v, lengths, num_splits=2, grouped=grouped)
     assert torch.equal(gqa_decode(q, k, v, lengths, num_splits=2, grouped=grouped), want)
 
@@ -44,7 +49,7 @@ def test_is_module_06s_kernel(grouped):
 @pytest.mark.parametrize("grouped", [True, False])
 def test_matches_reference_ragged(h, hkv, grouped):
     q, k, v = _inputs(3, h, hkv, 150, 64)
-    lengths = torch.tensor([150, 1, 77])                      # full, a single position, ragged (not /64)
+    lengths = torch.tensor([150, 1, 77], device=DEV)          # full, a single position, ragged (not /64)
     out = gqa_decode(q, k, v, lengths, grouped=grouped, num_splits=3)
     torch.testing.assert_close(out, attend_cached(q, k, v, lengths), **TOL)
 
@@ -64,8 +69,8 @@ def test_partials_format_both_ways():
         assert po.shape == (1, 4, 3, 16) and lse.shape == (1, 4, 3) and po.dtype == lse.dtype == torch.float32
         # 10 positions in blocks of 64: split 0 has them all, the others are empty (-inf)
         assert torch.isfinite(lse[..., 0]).all() and torch.isinf(lse[..., 1:]).all()
-        torch.testing.assert_close(kv_kernels.combine_partials(po, lse), attend_cached(q, k, v, torch.tensor([10])),
-                                   **TOL)
+        torch.testing.assert_close(kv_kernels.combine_partials(po, lse),
+                                   attend_cached(q, k, v, torch.tensor([10], device=DEV)), **TOL)
 
 
 @settings(max_examples=6, deadline=None)
@@ -73,14 +78,14 @@ def test_partials_format_both_ways():
        d=st.sampled_from([16, 32]), grouped=st.booleans())
 def test_random_shapes(b, hkv, group, t, d, grouped):
     q, k, v = _inputs(b, hkv * group, hkv, t, d)
-    lengths = torch.randint(1, t + 1, (b,))
+    lengths = torch.randint(1, t + 1, (b,), device=DEV)
     torch.testing.assert_close(gqa_decode(q, k, v, lengths, grouped=grouped), attend_cached(q, k, v, lengths), **TOL)
 
 
 def test_bench_providers_run_the_one_kernel_both_ways():
     assert {"llmu triton grouped", "llmu triton per-head"} <= set(bench.GQA_DECODE.providers)
     size = dict(bench.GQA_DECODE.cpu_sizes[0], T=70)
-    inputs = bench._setup(size, "cpu", torch.float32)
+    inputs = bench._setup(size, DEV, torch.float32)
     ref = attend_cached(*inputs)
     for name in ("llmu triton grouped", "llmu triton per-head", "torch"):
         torch.testing.assert_close(bench.GQA_DECODE.providers[name].fn(*inputs), ref, **TOL)
@@ -100,9 +105,9 @@ def test_bad_inputs_surface_the_kernels_checks():
     with pytest.raises(ValueError, match="cache_v must have cache_k's shape"):
         gqa_decode(q, k, v[:, :, :4])
     with pytest.raises(ValueError, match="lengths must be <= the cache's max_len"):
-        gqa_decode(q, k, v, torch.tensor([9]), grouped=False)
+        gqa_decode(q, k, v, torch.tensor([9], device=DEV), grouped=False)
     with pytest.raises(ValueError, match="lengths must be >= 1"):
-        gqa_decode(q, k, v, torch.tensor([0]))
+        gqa_decode(q, k, v, torch.tensor([0], device=DEV))
     with pytest.raises(ValueError, match="batch"):
         gqa_decode(q.expand(2, 9, 16).contiguous(), k, v)       # default lengths follow k_cache
     with pytest.raises(ValueError, match="k_cache must have 4 dimensions"):

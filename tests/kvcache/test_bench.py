@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import llmu  # noqa: F401
 from llmu.bench.registry import REGISTRY
 from llmu.kvcache import bench
+
+pytestmark = pytest.mark.kernels
 
 
 def test_entries_are_registered_with_the_sizes_that_matter():
@@ -23,9 +26,9 @@ def test_decode_attention_formulas():
     assert bench.attention_bytes(size, 2) == 2 * (2 * 2 * 2 * 10 * 4 + 2 * 2 * 8 * 4)
 
 
-def test_providers_agree_on_the_cpu_size():
+def test_providers_agree_on_the_cpu_size(kdev):
     size = dict(bench.DECODE_ATTENTION.cpu_sizes[0], T=64)
-    inputs = bench._attention_setup(size, "cpu", torch.float32)
+    inputs = bench._attention_setup(size, kdev, torch.float32)
     ref = bench.DECODE_ATTENTION.providers["llmu torch"].fn(*inputs)
     for name in ("llmu triton", "torch sdpa"):
         torch.testing.assert_close(bench.DECODE_ATTENTION.providers[name].fn(*inputs), ref, atol=2e-5, rtol=0)

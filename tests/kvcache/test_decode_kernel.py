@@ -20,12 +20,14 @@ from hypothesis import strategies as st
 from llmu import runtime
 from llmu.kvcache import kernels, reference
 
+pytestmark = pytest.mark.kernels
+
 DEV = runtime.kernel_device()
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
 
 
 def make(b, h, hkv, t, d, lengths, dtype=torch.float32, seed=0, poison=True):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device="cpu").manual_seed(seed)
     q = torch.randn(b, h, d, generator=g, device="cpu")
     k = torch.randn(b, hkv, t, d, generator=g, device="cpu")
     v = torch.randn(b, hkv, t, d, generator=g, device="cpu")
@@ -143,7 +145,7 @@ def test_half_precision_float16_in_the_interpreter():
        d=st.sampled_from([32, 64]), t=st.integers(1, 140), splits=st.integers(1, 6), seed=st.integers(0, 99),
        grouped=st.booleans())
 def test_random_shapes(b, hkv, group, d, t, splits, seed, grouped):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device="cpu").manual_seed(seed)
     lengths = torch.randint(1, t + 1, (b,), generator=g, device="cpu").tolist()
     q, k, v, n = make(b, hkv * group, hkv, t, d, lengths, seed=seed)
     out = kernels.decode_attention(q, k, v, n, num_splits=splits, grouped=grouped)
@@ -154,7 +156,7 @@ def test_random_shapes(b, hkv, group, d, t, splits, seed, grouped):
 
 
 def test_combine_partials_matches_reference_and_logsumexp():
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator(device="cpu").manual_seed(1)
     pout = torch.randn(2, 3, 5, 64, generator=g, device="cpu")
     plse = torch.randn(2, 3, 5, generator=g, device="cpu") * 4
     plse[0, 0, 2] = float("-inf")                       # one empty split
@@ -177,7 +179,7 @@ def test_combine_of_a_split_equals_one_pass():
 
 
 def test_combine_out_dtype():
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device="cpu").manual_seed(0)
     pout = torch.randn(1, 2, 3, 16, generator=g, device="cpu").to(DEV)
     plse = torch.zeros(1, 2, 3, device=DEV)
     out = kernels.combine_partials(pout, plse, out_dtype=torch.bfloat16)

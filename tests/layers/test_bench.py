@@ -8,6 +8,8 @@ import llmu  # noqa: F401
 from llmu.bench.registry import REGISTRY
 from llmu.layers import bench  # noqa: F401  (registers the entries)
 
+pytestmark = pytest.mark.kernels
+
 NAMES = ["rms_norm", "rms_norm_bwd", "rope", "swiglu", "swiglu_bwd"]
 TINY = {  # small enough for the interpreter, ragged on purpose
     "rms_norm": {"M": 5, "N": 72}, "rms_norm_bwd": {"M": 37, "N": 72},
@@ -35,12 +37,12 @@ def test_entry_registered_with_sizes_and_providers(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_providers_agree(name):
+def test_providers_agree(name, kdev):
     e = REGISTRY[name]
     size = TINY[name]
     results = {}
     for label, p in e.providers.items():
-        inputs = e.setup(size, torch.device("cpu"), torch.float32)  # fresh inputs: rope works in place
+        inputs = e.setup(size, kdev, torch.float32)  # fresh inputs: rope works in place
         results[label] = [t.detach().clone() for t in _flat(p.fn(*inputs))]
     first = next(iter(results.values()))
     for label, out in results.items():

@@ -18,7 +18,7 @@ import llmu  # noqa: F401
 from llmu.layers import reference
 from llmu.layers.kernels import rms_norm, rope, swiglu_fused
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.kernels]
 
 
 @pytest.fixture(scope="module")

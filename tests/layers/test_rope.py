@@ -21,6 +21,8 @@ from llmu.layers import reference
 from llmu.layers.rope import rope
 from llmu.runtime import kernel_device
 
+pytestmark = pytest.mark.kernels
+
 KDEV = kernel_device()  # cpu in Triton's interpreter, cuda when the kernels are compiled
 
 LAYOUTS = ["half", "interleaved"]

@@ -22,6 +22,8 @@ from llmu.layers import reference
 from llmu.layers.swiglu import SwiGLUFunction, swiglu_fused
 from llmu.runtime import kernel_device
 
+pytestmark = pytest.mark.kernels
+
 KDEV = kernel_device()  # cpu in Triton's interpreter, cuda when the kernels are compiled
 
 SHAPES = [

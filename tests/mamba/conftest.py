@@ -21,18 +21,18 @@ def groups(dim: int) -> int:
 
 def make_case(batch, dim, L, N, form="var", *, D=True, z=True, bias=True, softplus=True, seed=0,
               device="cpu", requires_grad=False):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device="cpu").manual_seed(seed)
 
     def randn(*shape):
-        return torch.randn(*shape, generator=g)
+        return torch.randn(*shape, generator=g, device="cpu")
 
     def rand(*shape):
-        return torch.rand(*shape, generator=g)
+        return torch.rand(*shape, generator=g, device="cpu")
 
     u = randn(batch, dim, L)
     # Δ before bias/softplus: any sign when softplus follows, else positive (a real step size)
     delta = randn(batch, dim, L) * 0.5 if softplus else rand(batch, dim, L) * 0.3 + 0.01
-    A = -torch.arange(1, N + 1, dtype=torch.float32).repeat(dim, 1) * (0.2 + 0.3 * rand(dim, 1))
+    A = -torch.arange(1, N + 1, dtype=torch.float32, device="cpu").repeat(dim, 1) * (0.2 + 0.3 * rand(dim, 1))
     if form == "ti":
         B, C = randn(dim, N), randn(dim, N)
     elif form == "var":

@@ -22,6 +22,8 @@ from llmu.bench import runner
 from llmu.bench.registry import REGISTRY, TOPICS, load_all
 from llmu.mamba import bench
 
+pytestmark = pytest.mark.kernels
+
 ENTRY = bench.MAMBA_SELECTIVE_SCAN
 SMALL = {"B": 2, "D": 32, "N": 16, "L": 40, "Dh": 16}   # Dh: the flash kernel takes 16 and up
 TOL = dict(rtol=1e-5, atol=1e-5)

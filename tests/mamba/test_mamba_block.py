@@ -14,6 +14,7 @@ checks, and its SSM must be exactly a causal convolution with the kernel ``K_j =
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -21,21 +22,24 @@ import torch
 
 from llmu.mamba.block import MambaBlock, MambaLM
 
+pytestmark = pytest.mark.kernels
+
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["selective", "time_invariant"])
 def block(request):
     torch.manual_seed(0)
-    return MambaBlock(16, d_state=4, selective=request.param).eval()
+    with torch.device("cpu"):  # a module's parameters go on the default device: name it
+        return MambaBlock(16, d_state=4, selective=request.param).eval()
 
 
 def test_initialisation(block):
     E, N = block.d_inner, block.d_state
     assert (E, N, block.dt_rank, block.d_conv) == (32, 4, 1, 4)
     A = -torch.exp(block.A_log)
-    torch.testing.assert_close(A, -torch.arange(1.0, N + 1).repeat(E, 1))     # S4D-real
-    assert torch.equal(block.D.detach(), torch.ones(E))
+    torch.testing.assert_close(A, -torch.arange(1.0, N + 1, device="cpu").repeat(E, 1))     # S4D-real
+    assert torch.equal(block.D.detach(), torch.ones(E, device="cpu"))
     dt = torch.nn.functional.softplus(block.delta_bias.detach())
     assert dt.shape == (E,) and dt.min() >= 1e-4 and dt.max() <= 0.1 + 1e-6  # Δ in [dt_min, dt_max]
     assert block.in_proj.bias is None and block.out_proj.bias is None and block.conv1d.bias is not None
@@ -47,12 +51,14 @@ def test_initialisation(block):
         # no projection computes Δ, B, C from the token: they are parameters of their own
         assert not any(name.startswith(("x_proj", "dt_proj")) for name in names)
         assert block.delta_bias is block.dt_bias
-        assert block.B.shape == (N,) and block.C.shape == (N,) and torch.equal(block.B.detach(), torch.ones(N))
+        assert block.B.shape == (N,) and block.C.shape == (N,)
+        assert torch.equal(block.B.detach(), torch.ones(N, device="cpu"))
 
 
 @pytest.mark.parametrize("impl", ["sequential", "triton"])
-def test_scans_agree_in_the_block(block, impl):
-    x = torch.randn(2, 11, 16, generator=torch.Generator().manual_seed(1))
+def test_scans_agree_in_the_block(block, impl, kdev):
+    block = copy.deepcopy(block).to(kdev)   # the Triton scan takes its tensors on the kernel device
+    x = torch.randn(2, 11, 16, generator=torch.Generator(device="cpu").manual_seed(1), device="cpu").to(kdev)
     with torch.no_grad():
         want, (conv_w, ssm_w) = block(x, return_state=True)
         got, (conv_g, ssm_g) = block(x, impl=impl, return_state=True)
@@ -64,7 +70,7 @@ def test_scans_agree_in_the_block(block, impl):
 @pytest.mark.parametrize("prefix", [0, 1, 3, 4, 7])
 def test_step_equals_forward(block, prefix):
     L = 9
-    x = torch.randn(2, L, 16, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(2, L, 16, generator=torch.Generator(device="cpu").manual_seed(2), device="cpu")
     with torch.no_grad():
         full, (conv_full, ssm_full) = block(x, return_state=True)
         if prefix:
@@ -83,7 +89,7 @@ def test_step_equals_forward(block, prefix):
 
 
 def test_step_accepts_a_length_one_sequence(block):
-    x = torch.randn(2, 1, 16)
+    x = torch.randn(2, 1, 16, device="cpu")
     conv, ssm = block.allocate_state(2)
     with torch.no_grad():
         y, _, _ = block.step(x, conv, ssm)
@@ -92,7 +98,7 @@ def test_step_accepts_a_length_one_sequence(block):
 
 
 def test_block_is_causal_and_differentiable(block):
-    x = torch.randn(1, 8, 16, requires_grad=True)
+    x = torch.randn(1, 8, 16, device="cpu", requires_grad=True)
     out = block(x)
     out[0, 4].sum().backward()
     assert x.grad[0, 5:].abs().max() == 0 and x.grad[0, :5].abs().max() > 0
@@ -104,7 +110,7 @@ def test_block_is_causal_and_differentiable(block):
 
 def test_selection_is_what_differs(block):
     """Δ, B, C of a selective block change with the token; a time-invariant block's do not."""
-    x = torch.randn(2, 5, block.d_inner, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(2, 5, block.d_inner, generator=torch.Generator(device="cpu").manual_seed(3), device="cpu")
     with torch.no_grad():
         dt, B, C = block._ssm_inputs(x)
     assert dt.shape == (2, 5, block.d_inner) and B.shape == C.shape == (2, 5, block.d_state)
@@ -117,19 +123,20 @@ def test_time_invariant_ssm_is_a_convolution():
     """selective=False: y = out_proj(((K * x) + D x) silu(z)) with one fixed causal kernel per
     channel, K_j[d] = Σ_n C_n exp(j Δ_d A_dn) Δ_d B_n, built here from the parameters."""
     torch.manual_seed(1)
-    blk = MambaBlock(8, d_state=3, selective=False).eval()
+    with torch.device("cpu"):
+        blk = MambaBlock(8, d_state=3, selective=False).eval()
     with torch.no_grad():                              # give B, C, Δ values far from their init
-        blk.B.copy_(torch.tensor([0.5, -1.0, 2.0]))
-        blk.C.copy_(torch.tensor([1.0, 0.3, -0.7]))
+        blk.B.copy_(torch.tensor([0.5, -1.0, 2.0], device="cpu"))
+        blk.C.copy_(torch.tensor([1.0, 0.3, -0.7], device="cpu"))
         blk.dt_bias.add_(1.0)
     L = 10
-    hidden = torch.randn(2, L, 8, generator=torch.Generator().manual_seed(4))
+    hidden = torch.randn(2, L, 8, generator=torch.Generator(device="cpu").manual_seed(4), device="cpu")
     with torch.no_grad():
         x, z = blk.in_proj(hidden).transpose(1, 2).chunk(2, dim=1)
         x = torch.nn.functional.silu(blk.conv1d(x)[..., :L])                 # (B, E, L)
         delta = torch.nn.functional.softplus(blk.dt_bias)                      # (E,)
         A = -torch.exp(blk.A_log)                                              # (E, N)
-        lags = torch.arange(L, dtype=torch.float32)
+        lags = torch.arange(L, dtype=torch.float32, device="cpu")
         K = (blk.C * torch.exp(lags[:, None, None] * delta[:, None] * A) * delta[:, None] * blk.B).sum(-1)  # (L, E)
         y = torch.zeros_like(x)
         for t in range(L):
@@ -147,17 +154,18 @@ def test_selective_must_be_a_bool():
 
 def test_block_bad_inputs(block):
     with pytest.raises(ValueError, match="^impl must be one of"):
-        block(torch.zeros(1, 3, 16), impl="cuda")
+        block(torch.zeros(1, 3, 16, device="cpu"), impl="cuda")
     with pytest.raises(ValueError, match="^hidden must have shape"):
-        block(torch.zeros(1, 3, 15))
+        block(torch.zeros(1, 3, 15, device="cpu"))
 
 
 @pytest.mark.parametrize("selective", [True, False], ids=["selective", "time_invariant"])
 def test_lm_step_equals_forward_and_generate(selective):
     torch.manual_seed(0)
-    lm = MambaLM(37, d_model=16, n_layers=2, d_state=4, selective=selective).eval()
+    with torch.device("cpu"):
+        lm = MambaLM(37, d_model=16, n_layers=2, d_state=4, selective=selective).eval()
     assert all(block.selective is selective for block in lm.blocks)
-    ids = torch.randint(0, 37, (2, 7))
+    ids = torch.randint(0, 37, (2, 7), device="cpu")
     with torch.no_grad():
         logits = lm(ids)
         assert logits.shape == (2, 7, 37)
@@ -172,7 +180,7 @@ def test_lm_step_equals_forward_and_generate(selective):
     with torch.no_grad():
         full = lm(out)
     assert torch.equal(full[:, 2:-1].argmax(-1), out[:, 3:])
-    assert lm.head(torch.zeros(1, 16)).shape == (1, 37)
+    assert lm.head(torch.zeros(1, 16, device="cpu")).shape == (1, 37)
     assert not any("head" in name for name, _ in lm.named_parameters())          # tied: no own weights
 
 
@@ -180,8 +188,9 @@ def test_lm_learns_a_pattern_on_cpu():
     """A few steps of Adam on a repeating sequence: the loss drops well below log(V)."""
     torch.manual_seed(0)
     V = 11
-    lm = MambaLM(V, d_model=32, n_layers=1, d_state=8)
-    ids = torch.arange(48).remainder(V)[None].repeat(4, 1)
+    with torch.device("cpu"):
+        lm = MambaLM(V, d_model=32, n_layers=1, d_state=8)
+    ids = torch.arange(48, device="cpu").remainder(V)[None].repeat(4, 1)
     opt = torch.optim.Adam(lm.parameters(), lr=1e-2)
     for _ in range(30):
         logits = lm(ids[:, :-1])

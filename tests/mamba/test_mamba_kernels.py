@@ -27,6 +27,8 @@ import torch
 from llmu.mamba import kernels as K
 from llmu.mamba import reference as R
 
+pytestmark = pytest.mark.kernels
+
 FORMS = ("ti", "var", "grp")
 TOL = dict(rtol=1e-5, atol=1e-5)
 OPTIONS = [dict(D=True, z=True, bias=True, softplus=True), dict(D=False, z=False, bias=False, softplus=False),

@@ -19,6 +19,8 @@ from llmu.models import kernels, quants
 from llmu.models.gguf_file import GGUFFile
 from llmu.runtime import kernel_device
 
+pytestmark = pytest.mark.kernels
+
 KDEV = kernel_device()
 
 

@@ -25,6 +25,8 @@ from llmu.bench import runner
 from llmu.bench.registry import REGISTRY, TOPICS, load_all
 from llmu.moe import bench, kernels, reference
 
+pytestmark = pytest.mark.kernels
+
 ENTRIES = (bench.MOE_GROUPED_GEMM, bench.MOE_GROUPED_GEMM_FINE)
 ALL_ENTRIES = ENTRIES + (bench.MOE_LAYER,)
 SMALL = {"T": 24, "k": 2, "E": 5, "H": 32, "F": 48}
@@ -97,7 +99,7 @@ def test_inputs_are_the_reference_layers_routing_and_uneven():
     # uneven groups at every CPU size (a seeded router with a per-expert offset)
     for entry in ENTRIES:
         for size in entry.cpu_sizes:
-            sizes = torch.tensor(bench.grouped_setup(size, "cpu", torch.float32).bounds).diff().float()
+            sizes = torch.tensor(bench.grouped_setup(size, "cpu", torch.float32).bounds, device="cpu").diff().float()
             assert sizes.max() > 1.2 * sizes.mean(), (entry.name, size, sizes)
 
 

@@ -34,28 +34,30 @@ from llmu.moe import kernels as K
 from llmu.moe import reference as R
 from llmu.runtime import kernel_device
 
+pytestmark = pytest.mark.kernels
+
 KDEV = kernel_device()
 SMALL = dict(block_m=16, block_n=16, block_k=16)   # several tiles even at test sizes
 
 
 def _gen(seed):
-    return torch.Generator().manual_seed(seed)
+    return torch.Generator(device="cpu").manual_seed(seed)
 
 
 def _weights(E, H, F, seed=0, dtype=torch.float32):
     g = _gen(seed)
-    rw = torch.randn(E, H, generator=g)
-    wg = torch.randn(E, F, H, generator=g) / math.sqrt(H)
-    wu = torch.randn(E, F, H, generator=g) / math.sqrt(H)
-    wd = torch.randn(E, H, F, generator=g) / math.sqrt(F)
+    rw = torch.randn(E, H, generator=g, device="cpu")
+    wg = torch.randn(E, F, H, generator=g, device="cpu") / math.sqrt(H)
+    wu = torch.randn(E, F, H, generator=g, device="cpu") / math.sqrt(H)
+    wd = torch.randn(E, H, F, generator=g, device="cpu") / math.sqrt(F)
     return tuple(t.to(dtype=dtype, device=KDEV) for t in (rw, wg, wu, wd))
 
 
 def _experts(T, E, k, seed, skip=()):
     """(T, k) distinct experts per token, never one of ``skip``."""
     g = _gen(seed)
-    allowed = torch.tensor([e for e in range(E) if e not in skip])
-    picks = torch.stack([allowed[torch.randperm(len(allowed), generator=g)[:k]] for _ in range(T)])
+    allowed = torch.tensor([e for e in range(E) if e not in skip], device="cpu")
+    picks = torch.stack([allowed[torch.randperm(len(allowed), generator=g, device="cpu")[:k]] for _ in range(T)])
     return picks.reshape(T, k).to(KDEV)
 
 
@@ -74,7 +76,7 @@ PERMUTE_CASES = [  # (T, H, E, k, experts never used)
 
 @pytest.mark.parametrize("T, H, E, k, skip", PERMUTE_CASES)
 def test_permute_matches_torch_indexing(T, H, E, k, skip):
-    x = torch.randn(T, H, generator=_gen(T + H)).to(KDEV)
+    x = torch.randn(T, H, generator=_gen(T + H), device="cpu").to(KDEV)
     experts = _experts(T, E, k, seed=T, skip=skip)
     x_sorted, order, counts, offsets = K.permute(x, experts, E)
     flat = experts.reshape(-1)
@@ -94,11 +96,11 @@ def test_permute_matches_torch_indexing(T, H, E, k, skip):
 
 @pytest.mark.parametrize("T, H, E, k, skip", PERMUTE_CASES)
 def test_unpermute_is_the_weighted_combine(T, H, E, k, skip):
-    x = torch.randn(T, H, generator=_gen(T + H)).to(KDEV)
+    x = torch.randn(T, H, generator=_gen(T + H), device="cpu").to(KDEV)
     experts = _experts(T, E, k, seed=T, skip=skip)
-    weights = torch.rand(T, k, generator=_gen(k)).to(KDEV)
+    weights = torch.rand(T, k, generator=_gen(k), device="cpu").to(KDEV)
     _, order, _, _ = K.permute(x, experts, E)
-    y_sorted = torch.randn(T * k, H, generator=_gen(3)).to(KDEV)
+    y_sorted = torch.randn(T * k, H, generator=_gen(3), device="cpu").to(KDEV)
     out = K.unpermute(y_sorted, order, weights, T)
     # oracle: row i of y_sorted belongs to token order[i] // k, choice order[i] % k
     tok, slot = order // k, order % k
@@ -113,7 +115,7 @@ def test_unpermute_is_the_weighted_combine(T, H, E, k, skip):
 
 def test_dropped_assignments_get_no_row_and_add_nothing():
     T, H, E = 6, 24, 3
-    x = torch.randn(T, H, generator=_gen(0)).to(KDEV)
+    x = torch.randn(T, H, generator=_gen(0), device="cpu").to(KDEV)
     experts = torch.tensor([[0, 1], [-1, 2], [0, -1], [1, 2], [-1, -1], [2, 0]], device=KDEV)
     x_sorted, order, counts, offsets = K.permute(x, experts, E)
     kept = (experts.reshape(-1) >= 0).nonzero().flatten()
@@ -149,8 +151,8 @@ def _loop_gemm(x, w, sizes):
 @pytest.mark.parametrize("sizes, N, Kd", GEMM_CASES)
 def test_grouped_gemm_matches_a_loop_over_experts(sizes, N, Kd):
     E, M = len(sizes), sum(sizes)
-    x = torch.randn(M, Kd, generator=_gen(M)).to(KDEV)
-    w = (torch.randn(E, N, Kd, generator=_gen(N)) / math.sqrt(Kd)).to(KDEV)
+    x = torch.randn(M, Kd, generator=_gen(M), device="cpu").to(KDEV)
+    w = (torch.randn(E, N, Kd, generator=_gen(N), device="cpu") / math.sqrt(Kd)).to(KDEV)
     offsets = torch.tensor([0] + sizes, device=KDEV).cumsum(0)
     out = K.grouped_gemm(x, w, offsets, **SMALL)
     assert out.shape == (M, N) and out.dtype == torch.float32
@@ -163,8 +165,8 @@ def test_grouped_gemm_matches_a_loop_over_experts(sizes, N, Kd):
 
 def test_grouped_gemm_float16():
     sizes, N, Kd = [9, 0, 20], 24, 40
-    x = torch.randn(sum(sizes), Kd, generator=_gen(1)).half().to(KDEV)
-    w = (torch.randn(3, N, Kd, generator=_gen(2)) / math.sqrt(Kd)).half().to(KDEV)
+    x = torch.randn(sum(sizes), Kd, generator=_gen(1), device="cpu").half().to(KDEV)
+    w = (torch.randn(3, N, Kd, generator=_gen(2), device="cpu") / math.sqrt(Kd)).half().to(KDEV)
     offsets = torch.tensor([0] + sizes, device=KDEV).cumsum(0)
     out = K.grouped_gemm(x, w, offsets, **SMALL)
     assert out.dtype == torch.float16
@@ -173,7 +175,7 @@ def test_grouped_gemm_float16():
 
 
 def test_tile_map():
-    offsets = torch.tensor([0, 0, 17, 49, 50])
+    offsets = torch.tensor([0, 0, 17, 49, 50], device=KDEV)
     tile_expert, tile_row = K.tile_map(offsets, 16)
     assert tile_expert.tolist() == [1, 1, 2, 2, 3]
     assert tile_row.tolist() == [0, 16, 17, 33, 49]
@@ -197,7 +199,7 @@ MOE_CASES = [  # (T, H, F, E, k, capacity_factor)
 @pytest.mark.parametrize("T, H, F, E, k, cf", MOE_CASES)
 def test_moe_triton_matches_reference(T, H, F, E, k, cf, renormalize):
     rw, wg, wu, wd = _weights(E, H, F, seed=T + E)
-    x = torch.randn(T, H, generator=_gen(T)).to(KDEV)
+    x = torch.randn(T, H, generator=_gen(T), device="cpu").to(KDEV)
     y_ref, aux_ref = R.moe_reference(x, rw, wg, wu, wd, k, renormalize=renormalize, capacity_factor=cf)
     y, aux = K.moe_triton(x, rw, wg, wu, wd, k, renormalize=renormalize, capacity_factor=cf, **SMALL)
     assert torch.equal(aux.experts, aux_ref.experts) and torch.equal(aux.dropped, aux_ref.dropped)
@@ -243,10 +245,10 @@ GRAD = dict(rtol=1e-5, atol=1e-5)
 @pytest.mark.parametrize("sizes, N, Kd", GEMM_CASES[:4])
 def test_grouped_gemm_backward(sizes, N, Kd):
     E, M = len(sizes), sum(sizes)
-    x = torch.randn(M, Kd, generator=_gen(M)).to(KDEV).requires_grad_()
-    w = (torch.randn(E, N, Kd, generator=_gen(N)) / math.sqrt(Kd)).to(KDEV).requires_grad_()
+    x = torch.randn(M, Kd, generator=_gen(M), device="cpu").to(KDEV).requires_grad_()
+    w = (torch.randn(E, N, Kd, generator=_gen(N), device="cpu") / math.sqrt(Kd)).to(KDEV).requires_grad_()
     offsets = torch.tensor([0] + sizes, device=KDEV).cumsum(0)
-    d_out = torch.randn(M, N, generator=_gen(7)).to(KDEV)
+    d_out = torch.randn(M, N, generator=_gen(7), device="cpu").to(KDEV)
     K.grouped_gemm(x, w, offsets, **SMALL).backward(d_out)
     x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     ref = torch.cat([x2[o:o + n] @ w2[e].T for e, (o, n) in enumerate(zip(offsets[:-1].tolist(), sizes))])
@@ -262,8 +264,8 @@ def test_grouped_gemm_backward(sizes, N, Kd):
                                                (3, 24, 40, 8, 1, None), (21, 16, 24, 3, 2, 0.6)])
 def test_moe_triton_backward_matches_reference(T, H, F, E, k, cf):
     leaves = [t.requires_grad_() for t in _weights(E, H, F, seed=T + E)]
-    x = torch.randn(T, H, generator=_gen(T)).to(KDEV).requires_grad_()
-    d_y = torch.randn(T, H, generator=_gen(T + 1)).to(KDEV)
+    x = torch.randn(T, H, generator=_gen(T), device="cpu").to(KDEV).requires_grad_()
+    d_y = torch.randn(T, H, generator=_gen(T + 1), device="cpu").to(KDEV)
     grads = []
     for fn, kw in ((R.moe_reference, {}), (K.moe_triton, SMALL)):
         y, aux = fn(x, *leaves, k, renormalize=False, capacity_factor=cf, **kw)
@@ -292,7 +294,7 @@ def test_module_trains_on_the_triton_path():
 def test_random_shapes(T, H, F, E, k, cf, seed):
     k = min(k, E)
     rw, wg, wu, wd = _weights(E, H, F, seed=seed)
-    x = torch.randn(T, H, generator=_gen(seed)).to(KDEV)
+    x = torch.randn(T, H, generator=_gen(seed), device="cpu").to(KDEV)
     y_ref, _ = R.moe_reference(x, rw, wg, wu, wd, k, capacity_factor=cf)
     y, _ = K.moe_triton(x, rw, wg, wu, wd, k, capacity_factor=cf, **SMALL)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)

@@ -13,6 +13,8 @@ import llmu  # noqa: F401
 from llmu.bench.registry import LOAD_ERRORS, REGISTRY, TOPICS, load_all
 from llmu.paged import bench
 
+pytestmark = pytest.mark.kernels
+
 ENTRIES = [bench.PAGED_DECODE, bench.PAGED_PREFILL]
 
 
@@ -54,10 +56,10 @@ def test_prefill_formulas_by_hand():
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
-def test_providers_agree_on_a_small_size(entry):
+def test_providers_agree_on_a_small_size(entry, kdev):
     size = dict(entry.cpu_sizes[0])
     size.update({"T": 40} if "T" in size else {"ctx": 40, "q": 24})
-    inputs = entry.setup(size, "cpu", torch.float32)
+    inputs = entry.setup(size, kdev, torch.float32)
     ref = entry.providers["llmu torch"].fn(*inputs)
     for name in ("llmu triton", "llmu triton contiguous"):
         got = entry.providers[name].fn(*inputs)

@@ -33,6 +33,8 @@ from llmu.attention.reference import causal_mask
 from llmu.models import LlamaModel, tiny_llama
 from llmu.paged import PagedKVCache, kernels, reference
 
+pytestmark = pytest.mark.kernels
+
 DEV = runtime.kernel_device()
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
@@ -40,10 +42,10 @@ TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 def make(lengths, h=9, hkv=3, d=64, block_size=16, *, dtype=torch.float32, seed=0, spare=3, poison=True):
     """Contiguous ``k``, ``v`` ``(B, Hkv, T, D)`` (CPU, float32) and the same positions paged on the
     kernel device in ``dtype``: ``(k, v, k_cache, v_cache, block_tables, context_lens, generator)``."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device="cpu").manual_seed(seed)
     b, t = len(lengths), max(lengths)
-    k = torch.randn(b, hkv, t, d, generator=g).to(dtype)
-    v = torch.randn(b, hkv, t, d, generator=g).to(dtype)
+    k = torch.randn(b, hkv, t, d, generator=g, device="cpu").to(dtype)
+    v = torch.randn(b, hkv, t, d, generator=g, device="cpu").to(dtype)
     need = sum(-(-n // block_size) for n in lengths)
     kc, vc, tables, lens = reference.to_paged(k, v, lengths, block_size=block_size, num_blocks=need + spare,
                                               seed=seed)
@@ -53,11 +55,11 @@ def make(lengths, h=9, hkv=3, d=64, block_size=16, *, dtype=torch.float32, seed=
 
 
 def rand(g, *shape, dtype=torch.float32):
-    return torch.randn(*shape, generator=g).to(DEV, dtype)
+    return torch.randn(*shape, generator=g, device="cpu").to(DEV, dtype)
 
 
 def cu_of(q_lens):
-    return torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    return torch.tensor([0] + torch.tensor(q_lens, device="cpu").cumsum(0).tolist(), dtype=torch.int32, device=DEV)
 
 
 def sdpa_decode(q, k, v, lengths):
@@ -74,8 +76,9 @@ def sdpa_prefill(q, k, v, cu, lengths):
     out = torch.empty_like(q)
     for i, n in enumerate(lengths):
         s, e = cu[i], cu[i + 1]
+        mask = causal_mask(e - s, n, device="cpu")
         out[s:e] = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k[i, :, :n], v[i, :, :n],
-                                                  attn_mask=causal_mask(e - s, n), enable_gqa=True).transpose(0, 1)
+                                                  attn_mask=mask, enable_gqa=True).transpose(0, 1)
     return out
 
 
@@ -237,9 +240,9 @@ def test_long_contexts_on_gpu():
        d=st.sampled_from([16, 32]), bs=st.sampled_from([16, 32]), t=st.integers(1, 120),
        splits=st.integers(1, 5), seed=st.integers(0, 999))
 def test_random_shapes(b, hkv, group, d, bs, t, splits, seed):
-    g0 = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, t + 1, (b,), generator=g0).tolist()
-    q_lens = [int(torch.randint(1, n + 1, (), generator=g0)) for n in lengths]
+    g0 = torch.Generator(device="cpu").manual_seed(seed)
+    lengths = torch.randint(1, t + 1, (b,), generator=g0, device="cpu").tolist()
+    q_lens = [int(torch.randint(1, n + 1, (), generator=g0, device="cpu")) for n in lengths]
     h = hkv * group
     k, v, kc, vc, tables, lens, g = make(lengths, h, hkv, d, bs, seed=seed)
     q = rand(g, b, h, d)
@@ -260,8 +263,8 @@ def tiny_model(seed=0) -> LlamaModel:
 @torch.inference_mode()
 def test_model_with_triton_paged_batch_matches_plain_forward():
     model = tiny_model()
-    g = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(0, 97, (22,), generator=g), torch.randint(0, 97, (9,), generator=g)]
+    g = torch.Generator(device="cpu").manual_seed(1)
+    seqs = [torch.randint(0, 97, (n,), generator=g, device="cpu") for n in (22, 9)]
     full = [model(s[None].to(DEV)).logits[0] for s in seqs]       # plain causal forward, no cache
     pool = PagedKVCache.for_model(model, num_blocks=6, block_size=16)
     tables = [[4, 1], [3]]
@@ -272,12 +275,12 @@ def test_model_with_triton_paged_batch_matches_plain_forward():
         ids, positions, slots, q_lens = [], [], [], []
         for i, (s, e) in enumerate(step):
             ids.append(seqs[i][s:e])
-            positions.append(torch.arange(s, e))
+            positions.append(torch.arange(s, e, device="cpu"))
             slots.append(reference.slot_mapping(tables[i], s, e, 16))
             q_lens.append(e - s)
         ctx = [e for _, e in step]
-        cu = [0] + torch.tensor(q_lens).cumsum(0).tolist()
-        padded = torch.tensor([tables[0], tables[1] + [-1]])     # unused entries -1: never read
+        cu = [0] + torch.tensor(q_lens, device="cpu").cumsum(0).tolist()
+        padded = torch.tensor([tables[0], tables[1] + [-1]], device="cpu")     # unused entries -1: never read
         batch = pool.batch(padded, ctx, cu, torch.cat(slots), impl="triton")
         assert batch.decode_only == (sum(q_lens) == 2)
         logits = model(torch.cat(ids)[None].to(DEV), positions=torch.cat(positions).to(DEV), cache=batch).logits[0]

@@ -17,6 +17,8 @@ import llmu  # noqa: F401
 from llmu.bench.registry import REGISTRY
 from llmu.quant import bench_kernels as bench
 
+pytestmark = pytest.mark.kernels
+
 ENTRIES = [bench.INT4_GEMV, bench.INT4_GEMM, bench.INT8_GEMV]
 
 
@@ -53,11 +55,11 @@ def test_formulas_by_hand():
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
-def test_providers_agree_on_a_small_size(entry):
+def test_providers_agree_on_a_small_size(entry, kdev):
     size = dict(entry.cpu_sizes[0], M=3, N=40, K=256)
     if "G" in size:
         size["G"] = 64
-    inputs = entry.setup(size, "cpu", torch.float32)
+    inputs = entry.setup(size, kdev, torch.float32)
     ref = entry.providers["llmu torch"].fn(*inputs)
     assert ref.shape == (3, 40)
     torch.testing.assert_close(entry.providers["llmu triton"].fn(*inputs), ref, atol=1e-4, rtol=1e-5)

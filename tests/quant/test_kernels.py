@@ -23,6 +23,8 @@ from hypothesis import strategies as st
 from llmu import runtime
 from llmu.quant import formats, kernels
 
+pytestmark = pytest.mark.kernels
+
 DEV = runtime.kernel_device()
 ATOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -30,9 +32,9 @@ RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 def make(m, n, k, group_size, symmetric=False, dtype=torch.float32, seed=0, lead=()):
     """``x (*lead, M, K)`` on the kernel device and the RTN-quantized ``(N, K)`` weights."""
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g)
-    x = torch.randn(*lead, m, k, generator=g).to(DEV, dtype)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    w = torch.randn(n, k, generator=g, device="cpu")
+    x = torch.randn(*lead, m, k, generator=g, device="cpu").to(DEV, dtype)
     if group_size == k:
         qt = formats.quantize(w, 4, symmetric=symmetric, granularity="channel")
     else:
@@ -97,11 +99,11 @@ def test_extreme_codes(code, path):
     # every nibble 0 (or 15), and scales/zeros that vary by group: W[n, k] = (code - z) * s exactly
     n, k, g = 20, 128, 32
     qt = formats.QuantizedTensor(
-        codes=torch.full((n, k), code, dtype=torch.uint8),
-        scale=torch.linspace(0.01, 2.0, n * k // g).reshape(n, k // g),
-        zero=torch.arange(n * k // g, dtype=torch.float32).remainder(16).reshape(n, k // g),
+        codes=torch.full((n, k), code, dtype=torch.uint8, device="cpu"),
+        scale=torch.linspace(0.01, 2.0, n * k // g, device="cpu").reshape(n, k // g),
+        zero=torch.arange(n * k // g, dtype=torch.float32, device="cpu").remainder(16).reshape(n, k // g),
         bits=4, group_size=g, symmetric=False, granularity="group")
-    x = torch.randn(3, k, generator=torch.Generator().manual_seed(3)).to(DEV)
+    x = torch.randn(3, k, generator=torch.Generator(device="cpu").manual_seed(3), device="cpu").to(DEV)
     assert int(qt.packed()[0, 0]) == (0x00 if code == 0 else 0xFF)
     check(kernels.int4_matmul(x, *args(qt), path=path), x, qt, n)
 
@@ -167,11 +169,11 @@ def test_int4_half_precision_on_gpu(dtype, m, n, k, g, path):
 
 
 def make8(m, n, k, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    w = torch.randn(n, k, generator=g, device="cpu")
     qt = formats.quantize(w, 8, symmetric=True, granularity="channel")
     codes, scale = kernels.int8_codes(qt)
-    return torch.randn(m, k, generator=g).to(DEV, dtype), codes.to(DEV), scale.to(DEV), qt
+    return torch.randn(m, k, generator=g, device="cpu").to(DEV, dtype), codes.to(DEV), scale.to(DEV), qt
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 100, 96), (3, 70, 200), (17, 33, 257), (128, 40, 128), (1, 1536, 576)])
@@ -183,14 +185,15 @@ def test_int8_matches_dequantize_then_matmul(m, n, k, path):
 
 
 def test_int8_codes_are_the_signed_codes():
-    qt = formats.quantize(torch.tensor([[-1.0, 0.0, 0.5, 1.0]]), 8, symmetric=True, granularity="channel")
+    qt = formats.quantize(torch.tensor([[-1.0, 0.0, 0.5, 1.0]], device="cpu"), 8, symmetric=True,
+                          granularity="channel")
     codes, scale = kernels.int8_codes(qt)
     assert codes.dtype == torch.int8 and codes.tolist() == [[-127, 0, 64, 127]]
     torch.testing.assert_close(codes.float() * scale[:, None], formats.dequantize(qt))
     with pytest.raises(ValueError, match="8-bit symmetric"):
-        kernels.int8_codes(formats.quantize(torch.randn(4, 8), 4, group_size=4))
+        kernels.int8_codes(formats.quantize(torch.randn(4, 8, device="cpu"), 4, group_size=4))
     with pytest.raises(ValueError, match="8-bit symmetric"):
-        kernels.int8_codes(formats.quantize(torch.randn(4, 8), 8, symmetric=False, granularity="channel"))
+        kernels.int8_codes(formats.quantize(torch.randn(4, 8, device="cpu"), 8, symmetric=False, granularity="channel"))
 
 
 @pytest.mark.skipif(runtime.interpreting(), reason="half precision kernels are tested on a GPU")

@@ -20,10 +20,12 @@ from llmu.models import quants
 from llmu.quant.formats import QuantizedTensor, dequantize, from_gguf, quantize
 from llmu.quant.linear import QuantLinear, int8pack_available
 
+pytestmark = pytest.mark.kernels
+
 
 def _x(*shape, seed=0, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(dtype)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(*shape, generator=g, device="cpu").to(dtype)
 
 
 def _close(y, ref, rel=1e-5):
@@ -169,13 +171,13 @@ def test_bad_construction():
     with pytest.raises(ValueError, match=r"bias must have shape \(8,\)"):
         QuantLinear(qt, _x(9))
     with pytest.raises(TypeError, match="bias"):
-        QuantLinear(qt, torch.zeros(8, dtype=torch.int64))
+        QuantLinear(qt, torch.zeros(8, dtype=torch.int64, device="cpu"))
     with pytest.raises(ValueError, match="input_scale holds zeros"):
-        QuantLinear(qt, input_scale=torch.zeros(64))
+        QuantLinear(qt, input_scale=torch.zeros(64, device="cpu"))
     with pytest.raises(ValueError, match="input_scale must have shape"):
-        QuantLinear(qt, input_scale=torch.ones(8))
+        QuantLinear(qt, input_scale=torch.ones(8, device="cpu"))
     with pytest.raises(ValueError, match="inf or nan"):
-        QuantLinear(qt, torch.full((8,), float("nan")))
+        QuantLinear(qt, torch.full((8,), float("nan"), device="cpu"))
     zero_scale = QuantizedTensor(qt.codes, torch.zeros_like(qt.scale), qt.zero, 4, 32, False, "group")
     with pytest.raises(ValueError, match="scale holds zeros"):
         QuantLinear(zero_scale)
@@ -190,6 +192,6 @@ def test_bad_x():
     with pytest.raises(ValueError, match="in_features=64"):
         layer(_x(2, 63))
     with pytest.raises(TypeError, match="floating-point"):
-        layer(torch.ones(2, 64, dtype=torch.int64))
+        layer(torch.ones(2, 64, dtype=torch.int64, device="cpu"))
     with pytest.raises(ValueError, match="in_features"):
-        layer(torch.tensor(1.0))
+        layer(torch.tensor(1.0, device="cpu"))

@@ -23,6 +23,8 @@ from llmu.spec import bench
 from llmu.spec.decode import SpecOutput, speculative_generate
 from llmu.spec.drafts import EarlyExitDraft, NGramDraft
 
+pytestmark = pytest.mark.kernels
+
 PROMPT = [5, 9, 3, 7, 5, 9, 3]
 
 

@@ -48,6 +48,8 @@ from hypothesis import strategies as st
 from llmu import runtime
 from llmu.spec import kernels, reference
 
+pytestmark = pytest.mark.kernels
+
 DEV = runtime.kernel_device()
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 KINDS = ["sampled", "accept_all", "reject_first", "one_hot_draft", "greedy", "zeros"]
@@ -61,9 +63,9 @@ def dist(g, *shape, sharp=2.0, zeros=0.0):
     """Random probability rows ``shape`` (last dim V), float32, CPU: softmax of ``sharp * randn``
     (peaky, like a language model's), with a fraction ``zeros`` of the entries set to 0 (never a
     whole row: its largest entry is kept) and renormalised."""
-    w = torch.softmax(torch.randn(*shape, generator=g) * sharp, dim=-1)
+    w = torch.softmax(torch.randn(*shape, generator=g, device="cpu") * sharp, dim=-1)
     if zeros:
-        drop = torch.rand(*shape, generator=g) < zeros
+        drop = torch.rand(*shape, generator=g, device="cpu") < zeros
         drop &= w < w.amax(dim=-1, keepdim=True)
         w = w.masked_fill(drop, 0.0)
         w = w / w.sum(dim=-1, keepdim=True)
@@ -72,7 +74,7 @@ def dist(g, *shape, sharp=2.0, zeros=0.0):
 
 def make(kind, b, gamma, v, *, dtype=torch.float32, id_dtype=torch.int64, seed=0):
     """``(p, q, draft, u, r)`` on the kernel device for one kind of case (see the module docstring)."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device="cpu").manual_seed(seed)
     p = dist(g, b, gamma + 1, v, zeros=0.7 if kind == "zeros" else 0.0)
     q = dist(g, b, gamma, v, sharp=1.0, zeros=0.7 if kind == "zeros" else 0.0)
     if kind == "accept_all":
@@ -88,9 +90,9 @@ def make(kind, b, gamma, v, *, dtype=torch.float32, id_dtype=torch.int64, seed=0
     if kind == "one_hot_draft":
         q = reference.one_hot_draft(draft, v, dtype)
     if kind == "reject_first":
-        p[torch.arange(b), 0, draft[:, 0]] = 0.0
-    u = torch.rand(b, gamma, generator=g)
-    r = torch.rand(b, generator=g)
+        p[torch.arange(b, device="cpu"), 0, draft[:, 0]] = 0.0
+    u = torch.rand(b, gamma, generator=g, device="cpu")
+    r = torch.rand(b, generator=g, device="cpu")
     if b >= 3:                                 # edge values of r: 0 and just below 1
         r[0], r[1] = 0.0, R_BELOW_ONE
     return p.to(DEV), q.to(DEV), draft.to(DEV, id_dtype), u.to(DEV), r.to(DEV)
@@ -101,7 +103,7 @@ def reference_weights(p, q, accepted):
     the first rejection (``p`` there if it has no mass), or ``p[γ]``."""
     p, q, accepted = p.float().cpu(), q.float().cpu(), accepted.cpu()
     gamma = q.shape[1]
-    rows = torch.arange(p.shape[0])
+    rows = torch.arange(p.shape[0], device="cpu")
     at = accepted.clamp(max=gamma - 1)
     residual = (p[rows, at] - q[rows, at]).clamp(min=0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[rows, at])
@@ -125,7 +127,7 @@ def ambiguous(p, q, accepted, r, token, tol):
     total = c[:, -1]
     t = r.double().cpu() * total
     j = token.cpu()[:, None]
-    idx = torch.arange(w.shape[-1])
+    idx = torch.arange(w.shape[-1], device="cpu")
     first = torch.where(w > 0, idx, w.shape[-1]).amin(-1)
     last = torch.where(w > 0, idx, -1).amax(-1)
     at = c.gather(-1, j)[:, 0]
@@ -214,13 +216,13 @@ def test_greedy_is_argmax():
 def test_residual_without_mass_falls_back_to_p():
     # a proposal with q(x) = p(x) = 0 is rejected (0 < 0 fails) and p = q leaves no residual:
     # the next token is drawn from p at that position, as in the reference
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator(device="cpu").manual_seed(5)
     v, b = 50, 4
     p = dist(g, b, 3, v)
     p[:, 0, 7] = 0.0
     q = p[:, :2].clone()
-    draft = torch.full((b, 2), 7)
-    u, r = torch.rand(b, 2, generator=g), torch.tensor([0.0, 0.3, 0.7, R_BELOW_ONE])
+    draft = torch.full((b, 2), 7, device="cpu")
+    u, r = torch.rand(b, 2, generator=g, device="cpu"), torch.tensor([0.0, 0.3, 0.7, R_BELOW_ONE], device="cpu")
     p, q, draft, u, r = (t.to(DEV) for t in (p, q, draft, u, r))
     acc, tok = kernels.accept_reject(p, q, draft, u, r, block_v=16)
     assert (acc == 0).all()
@@ -234,16 +236,15 @@ def test_row_of_zeros_exact_ties_and_extreme_r():
     # never a trailing zero; exact ties r * total = c[j] go past j (c[j] > r * total is strict):
     # r = .25 -> 7, r = .5 -> 8; r = 1 (out of range) -> nothing exceeds it -> the last positive (8)
     v = 40
-    r = torch.tensor([0.5, R_BELOW_ONE, 0.0, 0.6, 0.25, 0.5, 1.0])
+    r = torch.tensor([0.5, R_BELOW_ONE, 0.0, 0.6, 0.25, 0.5, 1.0], device=DEV)
     b = r.shape[0]
-    p = torch.zeros(b, 2, v)
+    p = torch.zeros(b, 2, v, device=DEV)
     p[:, 0, 3] = 1.0
-    p[1:, 1, 5:9] = torch.tensor([0.0, 0.25, 0.25, 0.5])
-    q = torch.zeros(b, 1, v)
+    p[1:, 1, 5:9] = torch.tensor([0.0, 0.25, 0.25, 0.5], device=DEV)
+    q = torch.zeros(b, 1, v, device=DEV)
     q[:, 0, 3] = 1.0
-    draft = torch.full((b, 1), 3, dtype=torch.int32)
-    u = torch.full((b, 1), 0.5)
-    p, q, draft, u, r = (t.to(DEV) for t in (p, q, draft, u, r))
+    draft = torch.full((b, 1), 3, dtype=torch.int32, device=DEV)
+    u = torch.full((b, 1), 0.5, device=DEV)
     want = [0, 8, 6, 8, 7, 8, 8]
     assert reference.accept_reject(p, q, draft, u, r)[1].tolist() == want
     for block_v in (None, 16):

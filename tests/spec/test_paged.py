@@ -24,6 +24,8 @@ from llmu.spec.decode import ContiguousTarget, speculative_generate
 from llmu.spec.drafts import EarlyExitDraft, NGramDraft
 from llmu.spec.paged import PagedTarget
 
+pytestmark = pytest.mark.kernels
+
 PROMPT = [5, 9, 3, 7, 5, 9, 3]
 
 
@@ -122,13 +124,13 @@ def test_forward_matches_the_contiguous_target(impl, block_size, device, head_di
     model = tiny_llama(0, head_dim=head_dim).to(device)
     contiguous = ContiguousTarget(model, 40)
     paged = PagedTarget(model, 40, block_size=block_size, impl=impl)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device="cpu").manual_seed(0)
     for op, n in CALLS:
         if op == "crop":
             contiguous.crop(n)
             paged.crop(n)
         else:
-            ids = torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
+            ids = torch.randint(0, model.config.vocab_size, (n,), generator=g, device="cpu").tolist()
             want, got = contiguous.forward(ids), paged.forward(ids)
             assert got.shape == (n, model.config.vocab_size)
             # the same model and math, but each implementation adds up attention in its own order

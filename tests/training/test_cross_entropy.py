@@ -45,6 +45,8 @@ from llmu.runtime import kernel_device
 from llmu.training import cross_entropy as R
 from llmu.training import kernels as K
 
+pytestmark = pytest.mark.kernels
+
 KDEV = kernel_device()
 TOL32 = dict(rtol=1e-5, atol=1e-5)
 SMALL = dict(block_m=16, block_v=16, block_h=16)   # several tiles in every direction at test sizes
@@ -52,10 +54,10 @@ SMALL = dict(block_m=16, block_v=16, block_h=16)   # several tiles in every dire
 
 def _inputs(n, h, v, seed=0, dtype=torch.float32, ignored=(), logit_scale=1.0, shape=None):
     """``x`` ``(n, h)`` (or ``shape + (h,)``), ``W`` ``(v, h)`` giving O(logit_scale) logits, targets (some ignored)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, h, generator=g)
-    w = torch.randn(v, h, generator=g) * (logit_scale / h ** 0.5)
-    y = torch.randint(0, v, (n,), generator=g)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(n, h, generator=g, device="cpu")
+    w = torch.randn(v, h, generator=g, device="cpu") * (logit_scale / h ** 0.5)
+    y = torch.randint(0, v, (n,), generator=g, device="cpu")
     y[list(ignored)] = -100
     if shape is not None:
         x, y = x.reshape(*shape, h), y.reshape(shape)
@@ -194,9 +196,9 @@ def test_random_shapes(n, h, v, eps, reduction, seed):
 
 
 def test_matmul_accumulates_through_transposed_views():
-    g = torch.Generator().manual_seed(0)
-    a = torch.randn(45, 20, generator=g).to(KDEV)
-    b = torch.randn(45, 37, generator=g).to(KDEV)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(45, 20, generator=g, device="cpu").to(KDEV)
+    b = torch.randn(45, 37, generator=g, device="cpu").to(KDEV)
     out = torch.ones(20, 37, device=KDEV)
     K.matmul(a.T, b, out, accumulate=True, blocks=(16, 16, 16))    # out += a^T b, a^T a strided view
     torch.testing.assert_close(out, 1 + a.T @ b, **TOL32)
@@ -318,9 +320,9 @@ def test_a_frozen_input_gets_no_gradient_and_the_other_is_unchanged(frozen):
     """A frozen LM head (LoRA fine-tuning) needs only dx: the chunked backward skips dW (and
     vice versa); the gradient it does compute equals the full backward's bit for bit, since the
     same tiles are summed in the same order."""
-    g = torch.Generator().manual_seed(3)
-    x, w = torch.randn(37, 24, generator=g), torch.randn(101, 24, generator=g)
-    y = torch.randint(0, 101, (37,), generator=g)
+    g = torch.Generator(device="cpu").manual_seed(3)
+    x, w = torch.randn(37, 24, generator=g, device="cpu"), torch.randn(101, 24, generator=g, device="cpu")
+    y = torch.randint(0, 101, (37,), generator=g, device="cpu")
     x_all, w_all = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
     R.chunked_cross_entropy(x_all, w_all, y, row_chunk=16, vocab_chunk=32).backward()
     x_one, w_one = x.clone().requires_grad_(frozen != "x"), w.clone().requires_grad_(frozen != "weight")

@@ -14,6 +14,8 @@ import llmu  # noqa: F401  (sets the Triton mode before triton is imported)
 from llmu.runtime import interpreting, kernel_device
 from llmu.welcome import add, naive_softmax, softmax, stable_softmax
 
+pytestmark = pytest.mark.kernels
+
 KDEV = kernel_device()
 
 # Tolerances.

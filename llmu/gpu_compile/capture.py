@@ -1,0 +1,223 @@
+"""Compile a launcher's kernels for a GPU this machine does not have.
+
+How it works, in three steps:
+
+1. The process runs in llmu's *compile-only* mode (``LLMU_COMPILE_ONLY=1``, see :mod:`llmu.runtime`):
+   ``@triton.jit`` makes real ``JITFunction`` objects (not interpreted ones), launchers think they
+   are on a GPU (``runtime.interpreting()`` is False, so they pick their GPU tile sizes, warps,
+   stages and compiled-only branches) but take CPU tensors (``runtime.kernel_device()`` is CPU).
+2. :func:`install` replaces ``JITFunction.run`` — what ``kernel[grid](...)`` calls — by a hook that
+   does not launch anything: it asks Triton to *compile* the kernel with exactly the arguments,
+   constexprs and options the launcher gave (``warmup=True``), for the target of the moment.
+3. The target comes from a stand-in for Triton's CUDA driver (:class:`TargetDriver`) that answers
+   "which GPU is this?" with ``GPUTarget("cuda", 90, 32)`` (or 80, 75). Triton then lowers the
+   kernel to PTX and runs ``ptxas`` from its own wheel to a cubin: every step a GPU would run,
+   minus loading the binary.
+
+What a GPU would refuse at load time is checked here instead: the shared memory the compiled
+kernel asks for against the architecture's limit. ``ptxas -v`` reports registers and spills.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from llmu import runtime
+
+#: name -> (compute capability as Triton writes it, max shared memory per block in bytes (the opt-in
+#: limit of CUDA's programming guide), streaming multiprocessors of the GPU named last)
+TARGETS: dict[str, tuple[int, int, int, str]] = {
+    "sm_90": (90, 227 * 1024, 132, "H100 / H200 SXM"),
+    "sm_80": (80, 163 * 1024, 108, "A100"),
+    "sm_75": (75, 64 * 1024, 40, "T4 (Colab's free GPU)"),
+}
+
+_REGISTERS = re.compile(r"Used (\d+) registers")
+_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+@dataclass
+class Row:
+    """One kernel compiled at one configuration for one target (or a launch the launcher refused)."""
+
+    kernel: str                 # module:function of the @triton.jit kernel ("" when refused)
+    case: str                   # the launch case that reached it (llmu.gpu_compile.cases)
+    target: str                 # sm_90, sm_80 or sm_75
+    dtype: str                  # the dtype the case was run with
+    config: str = ""            # constexprs, num_warps, num_stages as the launcher chose them
+    signature: str = ""         # pointer and scalar types of the non-constexpr arguments
+    shared: int | None = None   # bytes of shared memory the compiled kernel needs
+    shared_limit: int = 0
+    registers: int | None = None
+    spill_stores: int | None = None
+    spill_loads: int | None = None
+    status: str = "ok"          # ok | refused (the launcher said why) | error
+    message: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class TargetDriver:
+    """Just enough of Triton's CUDA driver for ``JITFunction.run(warmup=True)`` to compile for
+    ``target`` without a GPU. Each target gets its own "device" number so that Triton's per-device
+    kernel caches never hand a kernel compiled for one architecture to another."""
+
+    def __init__(self, capability: int):
+        from triton.backends.compiler import GPUTarget
+
+        self.capability = capability
+        self.target = GPUTarget("cuda", capability, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return self.capability
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+@dataclass
+class _Session:
+    """What the hook needs to know about the launch being made, and what it has found."""
+
+    target: str = ""
+    case: str = ""
+    dtype: str = ""
+    rows: list[Row] = field(default_factory=list)
+    launched: set = field(default_factory=set)            # JITFunction objects compiled at least once
+    ptxas: dict = field(default_factory=dict)             # compiled kernel hash -> (regs, stores, loads)
+
+
+SESSION = _Session()
+_ORIGINAL_RUN = None
+
+
+def _ptxas_file() -> str | None:
+    cache = os.environ.get("TRITON_CACHE_DIR")
+    return os.path.join(cache, "llmu-ptxas.json") if cache else None
+
+
+def load_ptxas_reports() -> None:
+    """What ptxas said of kernels compiled by an earlier run into the same Triton cache."""
+    path = _ptxas_file()
+    if path and os.path.exists(path):
+        with open(path) as f:
+            SESSION.ptxas.update({k: tuple(v) for k, v in json.load(f).items()})
+
+
+def save_ptxas_reports() -> None:
+    path = _ptxas_file()
+    if path:
+        with open(path, "w") as f:
+            json.dump(SESSION.ptxas, f)
+
+
+def _kernel_name(fn) -> str:
+    return f"{fn.fn.__module__}:{fn.fn.__name__}"
+
+
+def _describe(jit_fn, args, kwargs) -> tuple[str, str]:
+    """(config, signature): the constexprs and launch options, and the types of the other arguments."""
+    names = [p.name for p in jit_fn.params]
+    bound = dict(zip(names, args))
+    bound.update({k: v for k, v in kwargs.items() if k in names})
+    consts, types = [], []
+    for p in jit_fn.params:
+        if p.name not in bound:
+            continue
+        v = bound[p.name]
+        if p.is_constexpr:
+            consts.append(f"{p.name}={v}")
+        elif isinstance(v, torch.Tensor):
+            types.append(f"*{str(v.dtype).removeprefix('torch.')}")
+        elif v is None:
+            types.append("None")
+        else:
+            types.append(type(v).__name__)
+    options = [f"{k}={kwargs[k]}" for k in ("num_warps", "num_stages") if k in kwargs]
+    return " ".join(consts + options), ",".join(types)
+
+
+def _compile_hook(self, *args, grid, warmup, **kwargs):
+    """Replaces ``JITFunction.run``: compile for the session's target, record a row, launch nothing."""
+    from triton import knobs
+    from triton.runtime.driver import driver
+
+    capability, limit, _, _ = TARGETS[SESSION.target]
+    config, signature = _describe(self, args, kwargs)
+    row = Row(kernel=_kernel_name(self), case=SESSION.case, target=SESSION.target, dtype=SESSION.dtype,
+              config=config, signature=signature, shared_limit=limit)
+    previous = driver._active
+    log = io.StringIO()
+    try:
+        driver.set_active(TargetDriver(capability))
+        knobs.nvidia.dump_ptxas_log = True   # ptxas -v output (registers, spills) goes to stdout
+        with contextlib.redirect_stdout(log):
+            compiled = _ORIGINAL_RUN(self, *args, grid=grid, warmup=True, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - a compile error is this check's finding
+        row.status, row.message = "error", f"{type(exc).__name__}: {exc}".strip()[:2000]
+        SESSION.rows.append(row)
+        return None
+    finally:
+        knobs.nvidia.dump_ptxas_log = False
+        driver._active = previous
+    SESSION.launched.add(self)
+    meta = compiled.metadata
+    row.shared = int(meta.shared)
+    text = log.getvalue()
+    if text:  # a fresh compile; a kernel served from Triton's caches printed nothing
+        regs, spills = _REGISTERS.findall(text), _SPILLS.findall(text)
+        SESSION.ptxas[compiled.hash] = (int(regs[-1]) if regs else None,
+                                        int(spills[-1][0]) if spills else None,
+                                        int(spills[-1][1]) if spills else None)
+    row.registers, row.spill_stores, row.spill_loads = SESSION.ptxas.get(compiled.hash, (None, None, None))
+    for option in ("num_warps", "num_stages"):  # the defaults, when the launcher left them to Triton
+        if f"{option}=" not in row.config:
+            row.config = f"{row.config} {option}={getattr(meta, option)}".strip()
+    if row.shared > limit:
+        row.status = "error"
+        row.message = f"needs {row.shared} B of shared memory; {SESSION.target} allows {limit} B per block"
+    SESSION.rows.append(row)
+    return None
+
+
+def install() -> None:
+    """Route every kernel launch of this process through :func:`_compile_hook` (compile-only mode only)."""
+    global _ORIGINAL_RUN
+    if runtime.triton_mode() != "compile-only":
+        raise RuntimeError("llmu.gpu_compile.capture.install() needs LLMU_COMPILE_ONLY=1 set before llmu is imported "
+                           "(run `llmu gpu-compile`, which starts such a process)")
+    from triton.runtime.jit import JITFunction
+
+    if _ORIGINAL_RUN is None:
+        _ORIGINAL_RUN = JITFunction.run
+        JITFunction.run = _compile_hook
+
+
+@contextlib.contextmanager
+def compiling_for(target: str):
+    """Launchers called inside compile for ``target`` and see its compute capability
+    (``runtime.capability()``, ``runtime.sm_count()``), so a launcher can pick fp16 or smaller tiles
+    on a T4 and size its grid to the GPU's multiprocessors."""
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {sorted(TARGETS)}, got {target!r}")
+    previous = (SESSION.target, runtime._TARGET_CAPABILITY, runtime._TARGET_SM_COUNT)
+    cap, _, sms, _ = TARGETS[target]
+    SESSION.target, runtime._TARGET_CAPABILITY, runtime._TARGET_SM_COUNT = target, (cap // 10, cap % 10), sms
+    try:
+        yield
+    finally:
+        SESSION.target, runtime._TARGET_CAPABILITY, runtime._TARGET_SM_COUNT = previous
