@@ -148,7 +148,6 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", message=".*FP_FUSION.*")
     torch.set_num_threads(1)
     capture.install()
-    capture.load_ptxas_reports()
 
     t0 = time.time()
     cases = [c for c in all_cases() if args.only is None or args.only in c.name]
@@ -164,7 +163,6 @@ def main(argv=None) -> int:
         missing = uncovered(llmu_kernels(), capture.SESSION.launched)
         problems += [f"{name}: no case compiles this kernel (add one to llmu/gpu_compile/cases.py)"
                      for name in missing]
-    capture.save_ptxas_reports()
     rows = _merge(capture.SESSION.rows)
     if not args.quiet:
         _print_table(rows)

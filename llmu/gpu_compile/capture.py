@@ -105,24 +105,29 @@ SESSION = _Session()
 _ORIGINAL_RUN = None
 
 
-def _ptxas_file() -> str | None:
+def _report_path(kernel_hash: str) -> str | None:
+    """One small file per compiled kernel beside Triton's cache: processes that compile at the same
+    time (the tests run one per target) never overwrite each other's reports."""
     cache = os.environ.get("TRITON_CACHE_DIR")
-    return os.path.join(cache, "llmu-ptxas.json") if cache else None
+    return os.path.join(cache, "llmu-ptxas", f"{kernel_hash}.json") if cache else None
 
 
-def load_ptxas_reports() -> None:
-    """What ptxas said of kernels compiled by an earlier run into the same Triton cache."""
-    path = _ptxas_file()
+def _load_report(kernel_hash: str):
+    path = _report_path(kernel_hash)
     if path and os.path.exists(path):
         with open(path) as f:
-            SESSION.ptxas.update({k: tuple(v) for k, v in json.load(f).items()})
+            return tuple(json.load(f))
+    return None
 
 
-def save_ptxas_reports() -> None:
-    path = _ptxas_file()
+def _save_report(kernel_hash: str, report: tuple) -> None:
+    path = _report_path(kernel_hash)
     if path:
-        with open(path, "w") as f:
-            json.dump(SESSION.ptxas, f)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(report, f)
+        os.replace(tmp, path)
 
 
 def _kernel_name(fn) -> str:
@@ -183,7 +188,10 @@ def _compile_hook(self, *args, grid, warmup, **kwargs):
         SESSION.ptxas[compiled.hash] = (int(regs[-1]) if regs else None,
                                         int(spills[-1][0]) if spills else None,
                                         int(spills[-1][1]) if spills else None)
-    row.registers, row.spill_stores, row.spill_loads = SESSION.ptxas.get(compiled.hash, (None, None, None))
+        _save_report(compiled.hash, SESSION.ptxas[compiled.hash])
+    elif compiled.hash not in SESSION.ptxas:
+        SESSION.ptxas[compiled.hash] = _load_report(compiled.hash) or (None, None, None)
+    row.registers, row.spill_stores, row.spill_loads = SESSION.ptxas[compiled.hash]
     for option in ("num_warps", "num_stages"):  # the defaults, when the launcher left them to Triton
         if f"{option}=" not in row.config:
             row.config = f"{row.config} {option}={getattr(meta, option)}".strip()
