@@ -21,7 +21,6 @@ imported, see :mod:`llmu.runtime`); :func:`run` starts it.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -56,8 +55,3 @@ def run(targets: Sequence[str] = TARGET_NAMES, only: str | None = None, json_pat
     if quiet:
         cmd += ["--quiet"]
     return subprocess.call(cmd, env=env)
-
-
-def load_rows(json_path: str) -> dict:
-    with open(json_path) as f:
-        return json.load(f)
