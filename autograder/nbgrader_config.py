@@ -5,7 +5,8 @@ and `llmu release` / `llmu grade` (which call nbgrader's Python API) can never d
 Run nbgrader from this folder (`cd autograder && nbgrader ...`), see README.md.
 
 Course root: the repository (this file's parent folder). Source notebooks: solutions/. Student
-release: course/. Submissions, autograded copies, feedback, exchange and gradebook.db: here.
+release: course/. Submissions, autograded copies, feedback pages (feedback_html/: not feedback/,
+which is a script), exchange and gradebook.db: here.
 Per-cell execution time limit: llmu.course.CELL_TIMEOUT, 150 s (interrupted, grading goes on).
 """
 

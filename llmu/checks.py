@@ -1,12 +1,16 @@
-"""Argument checks shared by every kernel launcher.
+"""Argument checks shared by every kernel launcher (and by generation, for token ids).
 
 A Triton kernel indexes raw memory: handed a tensor of the wrong shape, dtype, device or layout it
 does not fail, it computes garbage. Launchers therefore validate their inputs with these helpers,
 which raise ``TypeError``/``ValueError`` messages that name the argument and what was expected.
+Checks of shapes, dtypes and devices cost nothing on the device; a check of values
+(:func:`require_values`, :func:`require_token_ids`) reads data back to the host, so it runs once
+per call, never once per step or per element.
 """
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -89,6 +93,59 @@ def require_positive(name: str, value, *, integer: bool = False):
     if not value > 0:
         raise ValueError(f"{name} must be positive, got {value!r}")
     return value
+
+
+def require_values(*checks: tuple[torch.Tensor, str]) -> None:
+    """Raise ``ValueError(message)`` for the first ``(bad, message)`` whose ``bad`` is true.
+
+    ``bad`` is a one-element bool tensor computed where the data lives, such as
+    ``(x < 0).any()``. A value check has to read the data back to the host, and on a GPU that
+    means waiting for it: all the flags are read in one go, one wait however many checks, never
+    one per value. Tensors on ``meta`` have no values and are not checked.
+    """
+    if not checks:
+        return
+    flags = torch.stack([bad.reshape(()) for bad, _ in checks])
+    if flags.device.type == "meta":
+        return
+    for hit, (_, message) in zip(flags.tolist(), checks):
+        if hit:
+            raise ValueError(message)
+
+
+def require_token_ids(name: str, ids, vocab_size: int | None = None) -> list[int]:
+    """``ids`` as a list of Python ints: at least one, each in ``[0, vocab_size)`` when given.
+
+    ``ids`` is a list or tuple of ints (numpy's too), or an integer tensor ``(T,)`` or ``(1, T)``
+    on any device (read back to the host once, not token by token). An id outside the vocabulary
+    would otherwise fail deep inside the model's embedding lookup: an ``IndexError`` on a CPU, a
+    device-side assert that breaks the CUDA context on a GPU.
+    """
+    if isinstance(ids, torch.Tensor):
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integer token ids, got a tensor of dtype "
+                            f"{str(ids.dtype).removeprefix('torch.')}")
+        if ids.ndim == 2 and ids.shape[0] == 1:
+            ids = ids[0]
+        if ids.ndim != 1:
+            raise ValueError(f"{name} must be one sequence of token ids, shape (T,) or (1, T), "
+                             f"got shape {tuple(ids.shape)}")
+        out = ids.tolist()
+    elif isinstance(ids, (list, tuple, range)):
+        bad = next((i for i, t in enumerate(ids)
+                    if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
+        if bad is not None:
+            raise TypeError(f"{name} must hold int token ids, got {name}[{bad}] = {ids[bad]!r}")
+        out = [int(t) for t in ids]
+    else:
+        raise TypeError(f"{name} must be a list or a 1-D integer tensor of token ids, got {type(ids).__name__}")
+    if not out:
+        raise ValueError(f"{name} is empty: give at least one token")
+    if vocab_size is not None and (min(out) < 0 or max(out) >= vocab_size):
+        bad = next(i for i, t in enumerate(out) if not 0 <= t < vocab_size)
+        raise ValueError(f"{name}[{bad}] = {out[bad]} is not a token id of this model: "
+                         f"ids must be in [0, vocab_size) = [0, {vocab_size})")
+    return out
 
 
 def require_size(size, keys: tuple[str, ...]) -> tuple[int, ...]:

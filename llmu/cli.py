@@ -158,31 +158,92 @@ def _model_path():
     return model_path()
 
 
-def _check_model(load: bool) -> list[Finding]:
+def _check_threads() -> Finding:
+    """Set torch's CPU threads to what this process may use (see llmu.runtime.configure_threads)."""
+    from llmu import runtime
+
+    threads = runtime.configure_threads()
+    return Finding("cpu threads", True, f"{threads.count} for torch ({threads.source})")
+
+
+def _check_model_file() -> Finding:
     try:
         path = _model_path()
     except Exception as exc:  # noqa: BLE001
-        return [Finding("model file", False, str(exc).split(". Install")[0], MODEL_FIX)]
+        return Finding("model file", False, str(exc).split(". Install")[0], MODEL_FIX)
     size = path.stat().st_size / 2**20
-    out = [Finding("model file", True, f"{path} ({size:.0f} MiB)")]
-    if not load:
-        return out
+    return Finding("model file", True, f"{path} ({size:.0f} MiB)")
+
+
+def _check_model_cache() -> Finding:
+    """Where load_model keeps the dequantized weights between runs (llmu.models.weight_cache), and how much."""
+    from llmu.cache import cache_dir, disk_usage
+
+    folder = cache_dir("models")
+    files, size = disk_usage(folder)
+    detail = f"{folder} ({files} file{'s' if files != 1 else ''}, {size / 2**20:.0f} MiB)"
+    parent = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        return Finding("model cache", True, f"{detail}: not writable, so every load dequantizes the GGUF file",
+                       "set LLMU_CACHE to a writable folder", warning=True)
+    return Finding("model cache", True, detail if files else f"{detail}: the first load_model() fills it")
+
+
+def _check_model_loads() -> list[Finding]:
+    """Load the model (the slow check: half a minute on a busy machine) and time a short generation."""
     try:
         from llmu.models import load_model
     except ImportError:
-        out.append(Finding("model loads", True, "skipped: llmu.models.load_model is not available in this version",
-                           warning=True))
-        return out
+        return [Finding("model loads", True, "skipped: llmu.models.load_model is not available in this version",
+                        warning=True)]
     try:
         t0 = time.perf_counter()
         model = load_model()
         n = sum(p.numel() for p in model.parameters())
-        out.append(Finding("model loads", True, f"{n / 1e6:.0f}M parameters in {time.perf_counter() - t0:.1f} s"))
-        del model
+        out = [Finding("model loads", True, f"{n / 1e6:.0f}M parameters in {time.perf_counter() - t0:.1f} s")]
     except Exception as exc:  # noqa: BLE001
-        out.append(Finding("model loads", False, f"{type(exc).__name__}: {exc}",
-                           f"{MODEL_FIX} --force-reinstall   # the file may be damaged"))
+        return [Finding("model loads", False, f"{type(exc).__name__}: {exc}",
+                        f"{MODEL_FIX} --force-reinstall   # the file may be damaged")]
+    out.append(_check_generation(model))
     return out
+
+
+def _decode_rate(model, new_tokens: int) -> float:
+    """Greedy decoding speed in tokens/s, from a few fixed token ids and no EOS (always ``new_tokens``)."""
+    import torch
+
+    from llmu.models import GenerationStats, generate_ids
+
+    stats = GenerationStats()
+    with torch.inference_mode():
+        for _ in generate_ids(model, [1, 2, 3, 4], new_tokens, stats=stats):
+            pass
+    return stats.decode_tokens_per_s
+
+
+def _check_generation(model, new_tokens: int = 8) -> Finding:
+    """Time a short generation, what ``llmu chat`` will feel like; with several torch threads, also
+    with one: on CPUs busy with other work, threads wait for each other and one is often faster."""
+    try:
+        import torch
+
+        threads = torch.get_num_threads()
+        rate = _decode_rate(model, new_tokens)
+        detail = f"{rate:.1f} tokens/s with {threads} torch thread{'s' if threads > 1 else ''}"
+        if threads == 1:
+            return Finding("generation", True, detail)
+        torch.set_num_threads(1)
+        try:
+            one = _decode_rate(model, new_tokens)
+        finally:
+            torch.set_num_threads(threads)
+        detail += f", {one:.1f} with 1"
+        if one > 1.5 * rate:
+            return Finding("generation", True, detail + ": the CPUs are busy with other work",
+                           "export OMP_NUM_THREADS=1   # before `llmu chat` or `make lab`", warning=True)
+        return Finding("generation", True, detail)
+    except Exception as exc:  # noqa: BLE001
+        return Finding("generation", False, f"{type(exc).__name__}: {exc}", "run `llmu chat` to see the error in full")
 
 
 def _check_notebook_stack() -> list[Finding]:
@@ -202,15 +263,22 @@ def _check_notebook_stack() -> list[Finding]:
 
 
 def _check_kernelspec() -> Finding:
-    """The notebooks ask for the kernel ``python3``: it must be this Python, which has llmu."""
-    try:
-        from jupyter_client.kernelspec import KernelSpecManager
+    """The notebooks ask for the kernel ``python3``: the Python it runs must be this one, which has llmu.
 
-        spec = KernelSpecManager().get_kernel_spec("python3")
+    ``llmu lab`` starts JupyterLab with this interpreter, and JupyterLab starts kernels through
+    jupyter_client, so jupyter_client answers here, as it will there: it finds the spec (this
+    environment's ``share/jupyter/kernels`` first, or ipykernel's built-in one) and builds the
+    command line. A spec whose program is plain ``python`` or ``python3`` (the one ipykernel
+    installs) runs the server's own interpreter, not the ``python`` first on PATH.
+    """
+    try:
+        from jupyter_client.manager import KernelManager
+
+        cmd = KernelManager(kernel_name="python3").format_kernel_cmd()
     except Exception as exc:  # noqa: BLE001
         return Finding("jupyter kernel", False, f"no 'python3' kernel: {exc}", KERNEL_FIX)
-    exe = spec.argv[0] if spec.argv else ""
-    if exe in ("python", "python3", "{python}"):
+    exe = cmd[0] if cmd else ""
+    if exe and os.sep not in exe:  # any other bare name is looked up on PATH when the kernel starts
         exe = shutil.which(exe) or exe
     # Same interpreter, or another name for it in the same environment (bin/python vs bin/python3).
     # Symlinks are not resolved: a venv's python links to the system one but has other packages.
@@ -236,27 +304,50 @@ def _check_course() -> Finding:
 
 
 def doctor(*, load_model: bool = True, out=None) -> int:
-    """Print a report on this machine; return 1 when a problem was found, else 0."""
+    """Print a report on this machine; return 1 when a problem was found, else 0.
+
+    Each check is printed (and flushed) as soon as it is done, so a slow one shows where it is;
+    the slowest, loading the model and timing a short generation, comes last.
+    """
     out = out or sys.stdout
-    findings: list[Finding] = [_check_python(), _check_torch(), _check_numpy(), _check_triton()]
-    if findings[1].ok or "cannot" not in findings[1].detail:
-        findings += _check_device()
-        if findings[3].ok:
-            findings.append(_check_kernel_runs())
-    findings += _check_model(load_model)
-    findings += _check_notebook_stack()
-    findings.append(_check_course())
+    findings: list[Finding] = []
+
+    def report(new: Finding | list[Finding]) -> None:
+        for f in new if isinstance(new, list) else [new]:
+            findings.append(f)
+            tag = "ok  " if f.ok and not f.warning else ("warn" if f.warning else "FAIL")
+            print(f"{tag}  {f.name:<18} {f.detail}", file=out, flush=True)
+            if (not f.ok or f.warning) and f.fix:
+                print(f"      {'fix:' if not f.ok else 'tip:':<18} {f.fix}", file=out, flush=True)
+
+    report(_check_python())
+    torch_found = _check_torch()
+    report(torch_found)
+    report(_check_numpy())
+    triton_found = _check_triton()
+    report(triton_found)
+    torch_imports = torch_found.ok or "cannot" not in torch_found.detail
+    if torch_imports:
+        report(_check_threads())
+        report(_check_device())
+        if triton_found.ok:
+            report(_check_kernel_runs())
+    model_file = _check_model_file()
+    report(model_file)
+    report(_check_model_cache())
+    report(_check_notebook_stack())
+    report(_check_course())
+    if load_model and model_file.ok and torch_imports:
+        print("      loading the model and generating a few tokens (up to a minute on a busy machine) ...",
+              file=out, flush=True)
+        report(_check_model_loads())
 
     problems = [f for f in findings if not f.ok and not f.warning]
-    for f in findings:
-        tag = "ok  " if f.ok and not f.warning else ("warn" if f.warning else "FAIL")
-        print(f"{tag}  {f.name:<18} {f.detail}", file=out)
-        if not f.ok and f.fix:
-            print(f"      {'fix:':<18} {f.fix}", file=out)
     if problems:
-        print(f"\n{len(problems)} problem(s) found: run the 'fix' command(s) above, then `llmu doctor` again.", file=out)
+        print(f"\n{len(problems)} problem(s) found: run the 'fix' command(s) above, then `llmu doctor` again.", file=out,
+              flush=True)
         return 1
-    print("\nEverything needed for the course is in place.", file=out)
+    print("\nEverything needed for the course is in place.", file=out, flush=True)
     return 0
 
 
@@ -265,11 +356,18 @@ def doctor(*, load_model: bool = True, out=None) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def lab_command(extra: Sequence[str] = ()) -> list[str]:
-    """The JupyterLab command line that opens ``course/`` (extra options are passed through)."""
+def lab_command(extra: Sequence[str] = (), root=None) -> list[str]:
+    """The JupyterLab command line ``llmu lab`` runs (``extra`` options are passed through).
+
+    JupyterLab serves the whole checkout (``root``: the course root, by default the one llmu
+    finds) and opens at ``course/``, as Binder does: the links at the end of each notebook to its
+    llmu code (``../../llmu/...``) then stay inside what JupyterLab serves, and open in a tab.
+    """
     from llmu import course
 
-    cmd = [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={course.course_dir()}"]
+    release = course.course_dir(root)
+    cmd = [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={release.parent}",
+           f"--LabApp.default_url=/lab/tree/{release.name}"]
     extra = list(extra)
     if hasattr(os, "geteuid") and os.geteuid() == 0 and "--allow-root" not in extra:
         cmd.append("--allow-root")  # Jupyter refuses to start as root without it (containers)
@@ -303,14 +401,18 @@ def _release(args) -> int:
     from llmu import course
 
     try:
-        res = course.release(args.assignments or None, db=not args.no_db)
+        res = course.release(args.assignments or None, db=not args.no_db, force=args.force)
     except course.CourseError as exc:
         print(f"llmu release: {exc}", file=sys.stderr)
         return 1
+    for edited, backup in res.backups.items():
+        print(f"moved    {edited} (edited) -> {backup}")
     for aid in res.assignments:
         print(f"released {aid:<32} -> course/{aid}/  ({res.seconds[aid]:.2f} s)")
     for aid in res.removed:
         print(f"removed  course/{aid}/ (no solutions/{aid}/ any more)")
+    for path in res.kept:
+        print(f"kept     {path} (edited or your own; release no longer writes it)")
     return 0
 
 
@@ -359,7 +461,7 @@ def _self_grade(args) -> int:
         print(f"llmu grade: {exc}\n  fix: run `llmu doctor`", file=sys.stderr)
         return 1
     print()
-    print(selfgrade.format_report(report))
+    print(selfgrade.format_report(report, width=shutil.get_terminal_size().columns))  # messages wrapped to fit
     print(f"\nGraded in {report.seconds:.0f} s against the hidden tests of {report.solution}; "
           f"{args.assignment} was not changed.")
     return 0
@@ -374,8 +476,10 @@ def _grade(args) -> int:
         print("llmu grade: --solution and --memory-mb apply to a notebook path (self-grading), "
               f"not to the assignment {args.assignment!r}", file=sys.stderr)
         return 2
+    t0 = time.perf_counter()
     try:
-        results = course.grade(args.assignment, args.student or None, timeout=args.timeout)
+        results = course.grade(args.assignment, args.student or None, timeout=args.timeout,
+                               progress=lambda line: print(line, file=sys.stderr, flush=True))
     except course.CourseError as exc:
         print(f"llmu grade: {exc}", file=sys.stderr)
         return 1
@@ -383,7 +487,8 @@ def _grade(args) -> int:
         if not r.success:
             print(r.log, file=sys.stderr)
     print(format_scores(results))
-    print(f"\nAutograded copies: autograder/autograded/<student>/{args.assignment}/; "
+    print(f"\n{course.format_summary(results, time.perf_counter() - t0)}")
+    print(f"Autograded copies: autograder/autograded/<student>/{args.assignment}/; "
           "feedback and a CSV of all grades: autograder/feedback, autograder/export.")
     return 0 if all(r.success for r in results.values()) else 1
 
@@ -391,6 +496,17 @@ def _grade(args) -> int:
 # ---------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------
+
+
+def _positive_seconds(text: str) -> int:
+    """argparse type of ``--timeout``: a whole number of seconds, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of seconds, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1 second, got {value}")
+    return value
 
 
 def _course_cell_timeout() -> int:
@@ -419,6 +535,9 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("release", help="regenerate course/ from solutions/ (nbgrader generate_assignment)")
     r.add_argument("assignments", nargs="*", metavar="ASSIGNMENT", help="e.g. 00_welcome (default: all)")
     r.add_argument("--no-db", action="store_true", help="do not record the assignment in the gradebook")
+    r.add_argument("--force", action="store_true",
+                   help="replace notebooks edited in course/ too, after moving each aside to "
+                        "NAME.learner-DATE-TIME.ipynb next to it (without --force, release refuses and lists them)")
 
     g = sub.add_parser(
         "grade", help="grade your own notebook (a path), or a class's submissions (an assignment name)",
@@ -429,7 +548,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("assignment", metavar="NOTEBOOK_OR_ASSIGNMENT",
                    help="a notebook (.ipynb) to self-grade, or an assignment id such as 00_welcome")
     g.add_argument("--student", action="append", help="assignment only: grade only this student (repeatable)")
-    g.add_argument("--timeout", type=int, default=_course_cell_timeout(),
+    g.add_argument("--timeout", type=_positive_seconds, default=_course_cell_timeout(),
                    help=f"per-cell time limit in seconds (default {_course_cell_timeout()})")
     g.add_argument("--memory-mb", type=int, default=None,
                    help=f"notebook only: the kernel's memory limit in MiB, 0 for none (default {_default_memory_mb()})")
@@ -469,7 +588,11 @@ def _chat(args) -> int:
     except ValueError as exc:
         print(f"llmu chat: {exc}", file=sys.stderr)
         return 2
-    print("loading the model ...", file=sys.stderr)
+    from llmu import runtime
+
+    threads = runtime.configure_threads()
+    print(f"llmu chat: {threads.count} torch thread{'s' if threads.count > 1 else ''} ({threads.source}); "
+          "loading the model ...", file=sys.stderr, flush=True)
     model, tokenizer = load_model(), load_tokenizer()
     engine = LLMEngine(model, tokenizer, max_num_seqs=1, attention=args.attention)
     return chat(model, tokenizer, system=args.system, params=params, engine=engine)
@@ -478,7 +601,10 @@ def _chat(args) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":  # everything after `bench` belongs to the benchmark CLI
+        from llmu import runtime
         from llmu.bench import cli_main
+
+        runtime.configure_threads()  # no more torch threads than CPUs we may use (its --threads still wins)
 
         return int(cli_main(argv[1:]) or 0)
     parser = _parser()

@@ -8,6 +8,10 @@ The interpreter is switched on by the environment variable ``TRITON_INTERPRET=1`
 it when a kernel is *defined*. This module therefore sets it before anything in llmu imports
 triton: ``import llmu`` imports this module first. A value the user set is always respected.
 
+It gives torch as many CPU threads as the process may really use (:func:`configure_threads`): in a
+container (Docker, Binder, Kubernetes) that is the CPU quota of its control group, often 1 or 2,
+while torch counts the host's cores and oversubscribes them several times over.
+
 It also keeps notebooks inside small memory limits (Binder and Colab give 2 GB or so): in an
 IPython kernel, :func:`trim_memory` runs after every cell and returns the heap memory that freed
 tensors leave behind to the operating system.
@@ -15,13 +19,19 @@ tensors leave behind to the operating system.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
 
 _ENV = "TRITON_INTERPRET"
 #: Set to 1 by ``llmu gpu-compile`` in the process that compiles every kernel for GPUs it does not have.
 _COMPILE_ONLY_ENV = "LLMU_COMPILE_ONLY"
+#: Set to 1 by the grading code (``llmu grade``, ``autograder/autograde``) for the kernels that run a
+#: notebook being graded: benchmarks then time nothing (``llmu.bench.runner``), they earn no points.
+AUTOGRADING_ENV = "LLMU_AUTOGRADING"
 
 #: The value of TRITON_INTERPRET as the user left it (None when unset).
 USER_SETTING: str | None = os.environ.get(_ENV)
@@ -200,6 +210,141 @@ def environment() -> Environment:
         triton_mode=_MODE,
         user_setting=USER_SETTING,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU threads: as many as the process may use, not as many as the host has
+# ---------------------------------------------------------------------------------------------
+
+#: Where Linux shows control groups; a container's CPU quota is written there.
+CGROUP_ROOT = "/sys/fs/cgroup"
+#: This process's control group, one line per hierarchy ("0::/path" for cgroup v2).
+PROC_SELF_CGROUP = "/proc/self/cgroup"
+#: Thread settings of the user that :func:`configure_threads` never overrides.
+THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+class CPUs(NamedTuple):
+    """A number of CPUs (or threads) and where it came from, in words."""
+
+    count: int
+    source: str
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _ratio(quota: str, period: str) -> float | None:
+    """``quota / period`` in CPUs; None for no limit ("max", -1) or anything unreadable."""
+    try:
+        q, p = int(quota), int(period)
+    except ValueError:
+        return None
+    return q / p if q > 0 and p > 0 else None
+
+
+def _cgroup_dirs(base: Path, own: str | None) -> list[Path]:
+    """``base/own`` and every folder above it up to ``base``: a parent's quota limits its children."""
+    dirs = [base]
+    if own and ".." not in Path(own.strip()).parts:
+        d = base / own.strip().lstrip("/")
+        while d != base and base in d.parents:
+            dirs.insert(1, d)
+            d = d.parent
+    return dirs
+
+
+def cgroup_cpu_quota(root: str | Path = CGROUP_ROOT, proc_cgroup: str | Path = PROC_SELF_CGROUP) -> CPUs | None:
+    """This process's CPU quota from its control group, rounded up to whole CPUs, or None if none.
+
+    cgroup v2 writes ``"QUOTA PERIOD"`` to ``cpu.max`` (``"max PERIOD"``: no limit); cgroup v1 has
+    ``cpu/cpu.cfs_quota_us`` (-1: no limit) and ``cpu/cpu.cfs_period_us``. A quota of 150000 per
+    100000 µs is 1.5 CPUs: the process may run 1.5 CPUs' worth of work each period, so 2 threads
+    keep it busy (rounding up, as the Java and .NET runtimes do). The smallest quota of the
+    process's group and the groups above it counts. Missing or unreadable files mean no quota:
+    this never raises.
+    """
+    root = Path(root)
+    own: dict[str, str] = {}  # "v2" or a v1 controller list -> the process's group path
+    for line in (_read(Path(proc_cgroup)) or "").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3:
+            own["v2" if parts[0] == "0" and parts[1] == "" else parts[1]] = parts[2]
+    found: list[tuple[float, str]] = []
+    for d in _cgroup_dirs(root, own.get("v2")):
+        text = _read(d / "cpu.max")
+        cpus = _ratio(*text.split()) if text is not None and len(text.split()) == 2 else None
+        if cpus is not None:
+            found.append((cpus, f"{d / 'cpu.max'}: {text}"))
+    v1_own = next((path for ctrl, path in own.items() if "cpu" in ctrl.split(",")), None)
+    for mount in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+        for d in _cgroup_dirs(root / mount, v1_own):
+            quota, period = _read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us")
+            cpus = _ratio(quota, period) if quota is not None and period is not None else None
+            if cpus is not None:
+                found.append((cpus, f"{d}/cpu.cfs_quota_us {quota} per {period}"))
+    if not found:
+        return None
+    cpus, where = min(found)
+    return CPUs(max(1, math.ceil(cpus)), f"cgroup CPU quota {cpus:g} ({where})")
+
+
+def available_cpus(root: str | Path = CGROUP_ROOT, proc_cgroup: str | Path = PROC_SELF_CGROUP) -> CPUs:
+    """How many CPUs this process may really use, and why: the CPUs it may be scheduled on
+    (its affinity, e.g. ``taskset`` or a container's cpuset), lowered to its cgroup CPU quota
+    (:func:`cgroup_cpu_quota`) when that is smaller. At least 1; never raises."""
+    try:
+        cpus = CPUs(len(os.sched_getaffinity(0)), "CPU affinity")
+    except (AttributeError, OSError):  # not Linux
+        cpus = CPUs(os.cpu_count() or 1, "os.cpu_count()")
+    quota = cgroup_cpu_quota(root, proc_cgroup)
+    if quota is not None and quota.count < cpus.count:
+        return CPUs(quota.count, f"{quota.source}, of {cpus.count} CPUs by {cpus.source}")
+    return CPUs(max(1, cpus.count), cpus.source)
+
+
+_THREADS: CPUs | None = None
+
+
+def configure_threads(root: str | Path = CGROUP_ROOT, proc_cgroup: str | Path = PROC_SELF_CGROUP) -> CPUs:
+    """Give torch no more CPU threads than :func:`available_cpus`; return the count and why.
+
+    torch starts one thread per core of the *host*. In a container limited to 2 CPUs on a 16-core
+    host, 16 threads then take turns on 2 CPUs and every matrix product waits for the slowest of
+    them: generation runs several times slower than with one thread. This lowers the count (it
+    never raises it: torch's own default and a smaller ``torch.set_num_threads`` stay).
+
+    The user's setting wins: with ``OMP_NUM_THREADS`` or ``MKL_NUM_THREADS`` in the environment
+    nothing is changed. (A ``torch.set_num_threads(n)`` with ``n`` above the CPUs available,
+    called before the first model load, cannot be told from torch's default and is lowered: set
+    the environment variable instead.) Runs once per process; later calls return the first
+    answer and change nothing. ``llmu chat``, ``doctor`` and ``bench`` and
+    :func:`llmu.models.load_model` call it.
+    """
+    global _THREADS
+    if _THREADS is not None:
+        return _THREADS
+    import torch
+
+    for var in THREAD_ENV_VARS:
+        value = os.environ.get(var, "").strip()
+        if value:
+            _THREADS = CPUs(torch.get_num_threads(), f"{var}={value} set by you")
+            return _THREADS
+    cpus = available_cpus(root, proc_cgroup)
+    current = torch.get_num_threads()
+    if current > cpus.count:
+        torch.set_num_threads(cpus.count)
+        _THREADS = CPUs(cpus.count, f"{cpus.source}; torch had {current}")
+    elif current == cpus.count:
+        _THREADS = cpus
+    else:
+        _THREADS = CPUs(current, f"torch's setting, below the {cpus.count} CPUs of {cpus.source}")
+    return _THREADS
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,9 +15,10 @@ for a class, for one learner and without a gradebook:
    headings; without headings, by the test cells' names).
 
 The result is a per-exercise table (:func:`format_report`) in which a failed check shows its own
-message (the first line of it: which property broke), never the test's source, so the hidden
-tests stay hidden. A cell that ran out of time, a test cell that was deleted and the exercises
-left when the kernel died are reported per exercise, with the reason.
+message in full under its exercise (which property broke, by how much, and where to look),
+never the test's source, so the hidden tests stay hidden. A cell that ran out of time, a test
+cell that was deleted and the exercises left when the kernel died are reported per exercise,
+with the reason.
 
 The kernel runs with ``LLMU_AUTOGRADING=1`` (:data:`llmu.course.AUTOGRADING_ENV`): benchmark
 cells skip themselves, as they do in a class's autograde.
@@ -27,8 +28,10 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import tempfile
+import textwrap
 import threading
 import time
 from collections.abc import Callable
@@ -69,7 +72,7 @@ class CellOutcome:
     points: float
     score: float = 0.0
     status: str = NOT_RUN
-    #: Why it lost its points: the check's message (first line), the timeout, the kernel's death.
+    #: Why it lost its points: the check's whole message, the timeout, the kernel's death.
     message: str = ""
     seconds: float | None = None
 
@@ -91,11 +94,19 @@ class ExerciseResult:
 
     @property
     def status(self) -> str:
-        """``passed`` when every cell passed, else the first lost cell's status and message."""
+        """One line: ``passed`` when every cell passed, else the first lost cell's status and the
+        first line of its message (:attr:`messages` has them in full)."""
         lost = next((c for c in self.cells if c.status != PASSED), None)
         if lost is None:
             return PASSED
-        return f"{lost.status}: {lost.message}" if lost.message else lost.status
+        first = _first_line(lost.message)
+        return f"{lost.status}: {first}" if first else lost.status
+
+    @property
+    def messages(self) -> list[str]:
+        """The whole message of every cell that lost points, in order, each once (the visible and
+        the hidden test of an unanswered exercise say the same thing)."""
+        return list(dict.fromkeys(c.message for c in self.cells if c.status != PASSED and c.message))
 
 
 @dataclass
@@ -125,12 +136,31 @@ class SelfGradeReport:
 # ---------------------------------------------------------------------------------------------
 
 
-def find_solution(notebook: str | os.PathLike, root=None) -> Path:
-    """The instructor notebook that matches ``notebook``, found by its file name.
+#: What copying adds to a notebook's name: JupyterLab's Duplicate ("NN_x-Copy1"), a browser's
+#: second download ("NN_x (1)"), Colab's "Copy of NN_x". :func:`original_stem` strips them.
+_COPY_SUFFIX = re.compile(r"(?:-Copy\d*|\s*\(\d+\))$", re.IGNORECASE)
+_COPY_PREFIX = re.compile(r"^Copy of\s+", re.IGNORECASE)
 
-    ``course/NN_x/NN_x.ipynb`` (or any copy named ``NN_x.ipynb``) matches
-    ``solutions/NN_x/NN_x.ipynb``; a copy whose name was changed (``NN_x (1).ipynb``,
-    ``ada_NN_x.ipynb``) matches when exactly one assignment's name is part of it.
+
+def original_stem(name: str) -> str:
+    """The name a copy was made from: ``00_welcome-Copy1 (1).ipynb`` -> ``00_welcome``."""
+    stem = Path(name).stem.strip()
+    while True:
+        shorter = _COPY_PREFIX.sub("", _COPY_SUFFIX.sub("", stem)).strip()
+        if shorter == stem or not shorter:
+            return stem
+        stem = shorter
+
+
+def find_solution(notebook: str | os.PathLike, root=None) -> Path:
+    """The instructor notebook that matches ``notebook``.
+
+    By file name first: ``course/NN_x/NN_x.ipynb``, or any file named ``NN_x.ipynb``, matches
+    ``solutions/NN_x/NN_x.ipynb``, and so do its copies ``NN_x-Copy1.ipynb`` (JupyterLab's
+    Duplicate), ``NN_x (1).ipynb`` (a second download) and ``Copy of NN_x.ipynb`` (Colab). A name
+    that holds exactly one assignment's name (``ada_NN_x.ipynb``) matches it. When nothing matches
+    (``Untitled.ipynb``), the error says how to name the instructor notebook
+    (``llmu grade NOTEBOOK --solution PATH``) and lists the known ones.
     """
     nb = Path(notebook)
     src = course.solutions_dir(root)
@@ -138,16 +168,25 @@ def find_solution(notebook: str | os.PathLike, root=None) -> Path:
     if not known:
         raise SelfGradeError(f"no instructor notebooks in {src}: self-grading needs the course's solutions/ "
                              "folder (set LLMU_COURSE_ROOT to a checkout of the course)")
-    same_name = [p for p in known if p.name == nb.name]
-    if len(same_name) == 1:
-        return same_name[0]
-    # Renamed copies: the longest assignment name inside the file name ("ada_00_welcome (1)").
+    for stem in dict.fromkeys((nb.stem, original_stem(nb.name))):
+        same_name = [p for p in known if p.stem == stem]
+        if len(same_name) == 1:
+            return same_name[0]
+    # Renamed copies: the longest assignment name inside the file name ("ada_00_welcome").
     inside = sorted((p for p in known if p.stem in nb.stem), key=lambda p: len(p.stem), reverse=True)
     if inside and (len(inside) == 1 or len(inside[0].stem) > len(inside[1].stem)):
         return inside[0]
     names = ", ".join(p.name for p in known)
-    raise SelfGradeError(f"notebook {str(notebook)!r}: no instructor notebook in {src} has its name; "
-                         f"self-grading matches by file name, one of: {names}")
+    # The example names the assignment of the folder the notebook is in, when it is one.
+    example = next((p for p in known if p.stem == nb.resolve().parent.name), known[0])
+    shown = os.path.relpath(example)
+    example = shown if not shown.startswith("..") else example
+    raise SelfGradeError(
+        f"notebook {str(notebook)!r}: no instructor notebook in {src} has its name (self-grading matches by "
+        "file name; copies such as NN_topic-Copy1.ipynb and 'NN_topic (1).ipynb' count)\n"
+        f"  known: {names}\n"
+        f"  fix: name the instructor notebook to grade against: "
+        f"llmu grade {shlex.quote(str(notebook))} --solution {shlex.quote(str(example))}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,14 +317,35 @@ class MemoryWatchdog:
 # Running it
 # ---------------------------------------------------------------------------------------------
 
+#: A failed cell's message is shown in full up to this many lines (an exception can carry the
+#: repr of a whole tensor); the rest is counted, not printed.
+MESSAGE_LINES = 30
+
+
 def _first_line(text: str) -> str:
     text = re.sub(r"\x1b\[[0-9;]*m", "", text or "").strip()
     return text.splitlines()[0].strip() if text else ""
 
 
+def _whole_message(text: str) -> str:
+    """An exception's message as the learner should read it: without terminal colours, blank
+    lines at either end or trailing spaces, its own line breaks and indents kept."""
+    lines = [ln.rstrip() for ln in re.sub(r"\x1b\[[0-9;]*m", "", text or "").splitlines()]
+    while lines and not lines[0].strip():
+        lines.pop(0)
+    while lines and not lines[-1].strip():
+        lines.pop()
+    if lines:
+        lines[0] = lines[0].lstrip()
+    if len(lines) > MESSAGE_LINES:
+        lines = lines[:MESSAGE_LINES] + [f"... ({len(lines) - MESSAGE_LINES} more lines)"]
+    return "\n".join(lines)
+
+
 def _error_message(reply_content: dict) -> str:
-    """What a failed test cell says: the exception and the first line of its message."""
-    ename, evalue = reply_content.get("ename", "Error"), _first_line(reply_content.get("evalue", ""))
+    """What a failed test cell says: the exception's name (unless it is a failed check) and its
+    whole message, which for llmu.grading's checks ends with where to look."""
+    ename, evalue = reply_content.get("ename", "Error"), _whole_message(reply_content.get("evalue", ""))
     if ename == "NotImplementedError" or evalue.startswith("NotImplementedError"):
         # The released stub (Triton's interpreter reports it as an InterpreterError).
         return "not answered yet (NotImplementedError)"
@@ -304,6 +364,14 @@ def self_grade(notebook: str | os.PathLike, *, solution: str | os.PathLike | Non
     the Jupyter kernel (default: the notebook's own, ``python3``). ``progress(line)`` is called
     as each code cell finishes. The learner's file is read once and never written.
     """
+    # The limits first, before anything is read. Cells are timed in whole seconds, and a limit that
+    # rounds down to 0 would mean no limit at all: an endless loop would hang the grading.
+    if isinstance(cell_timeout, bool) or not isinstance(cell_timeout, (int, float)):
+        raise TypeError(f"cell_timeout must be a number of seconds, got {cell_timeout!r}")
+    if not 1 <= cell_timeout < float("inf"):  # also refuses NaN
+        raise SelfGradeError(f"cell_timeout must be a finite number of seconds >= 1, got {cell_timeout!r}")
+    if memory_mb is not None and (isinstance(memory_mb, bool) or not isinstance(memory_mb, (int, float))):
+        raise TypeError(f"memory_mb must be a number of megabytes or None, got {memory_mb!r}")
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import DeadKernelError
@@ -313,8 +381,6 @@ def self_grade(notebook: str | os.PathLike, *, solution: str | os.PathLike | Non
         raise SelfGradeError(f"notebook must be an .ipynb file, got {str(notebook)!r}")
     if not path.is_file():
         raise SelfGradeError(f"notebook {str(notebook)!r} does not exist")
-    if cell_timeout is None or cell_timeout <= 0:
-        raise SelfGradeError(f"cell_timeout must be a positive number of seconds, got {cell_timeout!r}")
     if memory_mb is not None and memory_mb < 0:
         raise SelfGradeError(f"memory_mb must be >= 0 (0: no limit), got {memory_mb!r}")
     solution_path = Path(solution) if solution is not None else find_solution(path, root)
@@ -380,7 +446,7 @@ def self_grade(notebook: str | os.PathLike, *, solution: str | os.PathLike | Non
                     last = log_path.read_bytes()[log_start:].decode(errors="replace").strip().splitlines()[-1:]
                     why = "the kernel died" + (f" ({_first_line(last[0])})" if last else "")
                 report.stopped = f"{why} in cell {n} ({gid or f'cell {index}'})"
-                say(f"[{n:>3}/{len(code_cells)}] {gid or '':<28} stopped: {why}")
+                say(course.cell_line(n, len(code_cells), gid, None, f"stopped: {why}"))
                 break
             seconds = time.perf_counter() - t0
             reply = replies.get(index, {})
@@ -397,7 +463,7 @@ def self_grade(notebook: str | os.PathLike, *, solution: str | os.PathLike | Non
                 else:
                     o.status, o.message = FAILED, _error_message(reply)
                 status = o.status
-            say(f"[{n:>3}/{len(code_cells)}] {gid or '':<28} {seconds:6.1f} s  {status}")
+            say(course.cell_line(n, len(code_cells), gid, seconds, status))
     if report.stopped:
         for o in outcomes.values():
             if o.status == NOT_RUN and not o.message:
@@ -411,17 +477,40 @@ def self_grade(notebook: str | os.PathLike, *, solution: str | os.PathLike | Non
 # ---------------------------------------------------------------------------------------------
 
 
-def format_report(report: SelfGradeReport, width: int = 100) -> str:
-    """The per-exercise table ``llmu grade NOTEBOOK`` prints, with the total."""
-    rows = [(e.title, f"{e.score:g} / {e.max_score:g}", e.status) for e in report.exercises]
-    w_ex = max([len("exercise"), *(len(r[0]) for r in rows)])
-    w_pts = max([len("points"), *(len(r[1]) for r in rows)])
+def format_report(report: SelfGradeReport, width: int | None = None) -> str:
+    """The per-exercise table ``llmu grade NOTEBOOK`` prints, with the total.
+
+    A row gives an exercise's points and how it went (``passed``, ``failed``, ``timed out``, ...).
+    Under an exercise that lost points comes the whole message of each check that failed (what
+    broke, by how much, where to look), indented and wrapped to ``width`` columns (default: the
+    terminal's width).
+    """
+    if width is None:
+        width = shutil.get_terminal_size((100, 24)).columns
+    width = max(int(width), 40)
+    w_ex = max([len("exercise"), *(len(e.title) for e in report.exercises)])
+    pts = [f"{e.score:g} / {e.max_score:g}" for e in report.exercises]
+    w_pts = max([len("points"), *map(len, pts)])
     lines = [f"{'exercise':<{w_ex}}  {'points':>{w_pts}}  status"]
-    room = max(20, width - w_ex - w_pts - 4)
-    for title, pts, status in rows:
-        lines.append(f"{title:<{w_ex}}  {pts:>{w_pts}}  {status if len(status) <= room else status[:room - 3] + '...'}")
+    for exercise, points in zip(report.exercises, pts):
+        lost = next((c for c in exercise.cells if c.status != PASSED), None)
+        lines.append(f"{exercise.title:<{w_ex}}  {points:>{w_pts}}  {lost.status if lost else PASSED}")
+        for message in exercise.messages:
+            lines += _wrap_message(message, width, indent=" " * 4)
     total = f"{report.score:g} / {report.max_score:g}"
     lines.append(f"{'total':<{w_ex}}  {total:>{w_pts}}")
     if report.stopped:
-        lines.append(f"\nThe run stopped early: {report.stopped}.")
+        lines.append("")
+        lines += textwrap.wrap(f"The run stopped early: {report.stopped}.", width)
     return "\n".join(lines)
+
+
+def _wrap_message(message: str, width: int, indent: str) -> list[str]:
+    """A message's lines wrapped to ``width``, each under ``indent`` plus its own indent, a wrapped
+    line's continuation two spaces further in; words (paths, shapes) are never split."""
+    out = []
+    for line in message.splitlines():
+        own = indent + line[:len(line) - len(line.lstrip())]
+        out += textwrap.wrap(line.strip(), width, initial_indent=own, subsequent_indent=own + "  ",
+                             break_long_words=False, break_on_hyphens=False) or [""]
+    return out

@@ -24,6 +24,11 @@ Hypothesis: under ``CI=true`` the property tests use fixed draws (the "ci" profi
 CPU, the default "sdpa" attention). ``llmu.models.load_model`` caches the instance, so tests and
 notebooks executed in this process share it: tests must not modify its weights in place (use
 ``load_model(fresh=True)`` for that).
+
+``slow`` marker: every test that loads the model carries it, so that ``make test-fast`` (which
+deselects ``slow``, ``notebooks`` and ``browser``) never waits for SmolLM2. This file enforces it: a
+test without the marker that asks for ``smollm2`` is an error at collection, and one that calls
+``llmu.models.load_model`` (itself or through a fixture) fails with a message saying so.
 """
 
 from __future__ import annotations
@@ -57,16 +62,101 @@ def _meta_default_device(item):
         torch.set_default_device(None if previous == torch.device("cpu") else previous)
 
 
+class _ModelLoads:
+    """Notes every time a test gets SmolLM2 from ``llmu.models.loading``: read from disk (the weight
+    cache or the GGUF file: ``load_weights``, ``build_from_gguf``) or handed out from ``load_model``'s
+    in-process cache (a hit in ``_CACHE``).
+
+    All three are module globals that ``load_model`` looks up when it runs, so replacing them here
+    sees every caller, however it imported ``load_model``. A test that replaces ``load_weights``
+    with a stand-in loads nothing, and is not counted.
+    """
+
+    def __init__(self):
+        from llmu.models import loading
+
+        probe = self
+
+        class _RecordingCache(dict):
+            def get(self, key, default=None):
+                value = super().get(key, default)
+                if value is not None and value is not default:
+                    probe.seen = True
+                return value
+
+        self.seen = False
+        self._weights = loading.load_weights
+        self._build = loading.build_from_gguf
+        loading._CACHE = _RecordingCache(loading._CACHE)
+        loading.load_weights = self._reading(self._weights)
+        loading.build_from_gguf = self._reading(self._build)
+
+    def _reading(self, fn):
+        def read(*args, **kwargs):
+            self.seen = True
+            return fn(*args, **kwargs)
+
+        return read
+
+
+_MODEL_LOADS = _ModelLoads()
+
+
+def _check_model_loads(item, outcome, phase: str) -> None:
+    if _MODEL_LOADS.seen and item.get_closest_marker("slow") is None and outcome.excinfo is None:
+        outcome.force_exception(pytest.fail.Exception(
+            f"{item.nodeid} loads SmolLM2 (llmu.models.load_model ran during its {phase}) but is not marked "
+            "slow: add @pytest.mark.slow (or pytestmark = pytest.mark.slow for the module), so that "
+            "`make test-fast` leaves it out", pytrace=False))
+
+
+def _cost_rank(item) -> int:
+    """0 for the longest tests (a whole kernel compile for one GPU, minutes each), 1 for notebook
+    runs, 2 for the other slow tests, 3 for the rest."""
+    if item.get_closest_marker("slow") is not None and item.nodeid.startswith("tests/test_gpu_compile.py"):
+        return 0
+    if item.get_closest_marker("notebooks") is not None:
+        return 1
+    return 2 if item.get_closest_marker("slow") is not None else 3
+
+
+def _longest_first(items) -> None:
+    """Reorder the test modules, longest first, keeping each module's tests together and in order.
+
+    pytest-xdist hands tests to its workers in collection order: a minutes-long test collected last
+    leaves one core idle while the other finishes it. Started first, the short tests fill in around it.
+    Modules stay whole so that module-scoped fixtures are built once per worker, as before.
+    """
+    modules: dict[str, list] = {}
+    for it in items:
+        modules.setdefault(it.nodeid.split("::")[0], []).append(it)
+    order = sorted(modules.values(), key=lambda group: min(_cost_rank(it) for it in group))  # stable
+    items[:] = [it for group in order for it in group]
+
+
+def pytest_collection_modifyitems(config, items):
+    _longest_first(items)
+    unmarked = [it.nodeid for it in items if "smollm2" in getattr(it, "fixturenames", ())
+                and it.get_closest_marker("slow") is None]
+    if unmarked:
+        raise pytest.UsageError("these tests use the `smollm2` fixture (the real model) but are not marked slow; "
+                                "add @pytest.mark.slow:\n  " + "\n  ".join(unmarked))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
+    _MODEL_LOADS.seen = False
     with _meta_default_device(item):
-        yield
+        outcome = yield
+    _check_model_loads(item, outcome, "set-up")
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
+    _MODEL_LOADS.seen = False
     with _meta_default_device(item):
-        yield
+        outcome = yield
+    _check_model_loads(item, outcome, "run")
 
 
 @pytest.hookimpl(hookwrapper=True)

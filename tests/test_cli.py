@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 
@@ -19,7 +20,8 @@ def _doctor(**kw) -> tuple[int, str]:
 
 def test_doctor_reports_every_item():
     code, out = _doctor(load_model=False)
-    for item in ("python", "torch", "numpy", "triton", "device", "triton mode", "triton kernel", "model file",
+    for item in ("python", "torch", "numpy", "triton", "cpu threads", "device", "triton mode", "triton kernel",
+                 "model file",
                  "notebook packages", "jupyter kernel", "course notebooks"):
         assert f" {item} " in out, f"doctor does not report {item!r}:\n{out}"
     assert ("interpreter" in out) or ("compiled" in out)
@@ -66,6 +68,63 @@ def test_doctor_loads_the_model():
     assert line.startswith("ok") and "parameters" in line, out
 
 
+def test_doctor_prints_each_check_as_it_runs(monkeypatch, tmp_path):
+    """Nothing waits for the slow model load: every earlier line has been flushed when it starts."""
+    import llmu.models
+
+    class Terminal:  # text counts as shown only once it is flushed
+        def __init__(self):
+            self.pending, self.shown = "", ""
+
+        def write(self, text):
+            self.pending += text
+            return len(text)
+
+        def flush(self):
+            self.shown, self.pending = self.shown + self.pending, ""
+
+    term, shown_at_load = Terminal(), []
+
+    def load_model(*args, **kwargs):
+        shown_at_load.append(term.shown)
+        raise RuntimeError("stopped by the test")
+
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    monkeypatch.setattr(cli, "_model_path", lambda: model)
+    monkeypatch.setattr(llmu.models, "load_model", load_model)
+    cli.doctor(load_model=True, out=term)
+    lines = shown_at_load[0].splitlines()
+    assert lines[0].split()[1] == "python", shown_at_load[0]
+    assert " jupyter kernel " in shown_at_load[0] and " model loads " not in shown_at_load[0]
+    assert "loading the model" in lines[-1], "say that the model is loading before the wait starts"
+    line = next(ln for ln in term.shown.splitlines() if " model loads " in ln)
+    assert line.startswith("FAIL") and "stopped by the test" in line
+    assert term.pending == ""
+
+
+def test_make_doctor_passes_whatever_python_comes_first_on_path(tmp_path):
+    """`make doctor` runs .venv/bin/llmu by its path, with no venv activated: the `python` first on
+    PATH is another one (pyenv's, the system's). The 'python3' kernel JupyterLab starts from this
+    environment is still this Python, and doctor must say so."""
+    from pathlib import Path
+
+    llmu_script = Path(sys.executable).parent / "llmu"
+    assert llmu_script.is_file(), f"no llmu entry point beside {sys.executable}: run `make setup`"
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for name in ("python", "python3"):
+        (fake / name).write_text("#!/bin/sh\necho 'not the course environment' >&2\nexit 3\n")
+        (fake / name).chmod(0o755)
+    env = dict(os.environ, PATH=f"{fake}{os.pathsep}{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1")
+    env.pop("VIRTUAL_ENV", None)
+    proc = subprocess.run([str(llmu_script), "doctor", "--no-load"], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=Path(__file__).resolve().parents[1])
+    kernel = next(ln for ln in proc.stdout.splitlines() if " jupyter kernel " in ln)
+    assert kernel.startswith("ok") and kernel.endswith(f"-> {sys.executable}"), proc.stdout
+    assert proc.returncode == 0 and "FAIL" not in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_console_script_runs_doctor():
     proc = subprocess.run([sys.executable, "-m", "llmu.cli", "doctor", "--no-load"], capture_output=True, text=True,
                           timeout=120)
@@ -87,10 +146,12 @@ def test_no_subcommand_exits_2(capsys):
 
 
 def test_lab_opens_the_course_dir_and_passes_options(capsys):
+    """JupyterLab serves the checkout (so the notebooks' ../../llmu links stay inside it) and opens at course/."""
     assert cli.main(["lab", "--dry-run", "--no-browser", "--port", "8890"]) == 0
     cmd = capsys.readouterr().out.split()
     assert cmd[:3] == [sys.executable, "-m", "jupyterlab"]
-    assert f"--ServerApp.root_dir={course.course_dir()}" in cmd
+    assert f"--ServerApp.root_dir={course.repo_root()}" in cmd
+    assert "--LabApp.default_url=/lab/tree/course" in cmd
     assert cmd[-3:] == ["--no-browser", "--port", "8890"]
 
 
@@ -193,3 +254,4 @@ def test_grade_of_a_notebook_prints_progress_and_the_table(tmp_path, monkeypatch
     assert any(ln.split()[:2] == ["total", "0"] and ln.endswith("0 / 5") for ln in table), out
     assert "not answered yet" in out and "was not changed" in out
     assert stub.read_bytes() == before
+

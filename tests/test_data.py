@@ -15,6 +15,7 @@ def test_names():
         text("hamlet")
 
 
+@pytest.mark.slow
 def test_luke_is_a_20k_to_50k_token_public_domain_text(smollm2):
     _, tok = smollm2
     luke = text("luke_kjv")

@@ -8,7 +8,6 @@ spread them); a planted faulty kernel shows that the check fails where it should
 from __future__ import annotations
 
 import json
-import sys
 import textwrap
 
 import pytest
@@ -24,6 +23,7 @@ def _check(tmp_path, monkeypatch, targets, only=None, cache=None):
     return rc, json.loads(out.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_every_kernel_compiles_for(target, tmp_path, monkeypatch):
     # A cache of the test's own: every kernel is compiled here, and ptxas reports on each.
@@ -75,6 +75,7 @@ def cases():
 '''
 
 
+@pytest.mark.slow
 def test_a_planted_fault_fails_the_check(tmp_path, monkeypatch):
     (tmp_path / "planted_kernels.py").write_text(textwrap.dedent(_PLANTED))
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}")

@@ -36,7 +36,6 @@ from pathlib import Path
 import torch
 
 from llmu import runtime
-from llmu.course import AUTOGRADING_ENV
 from llmu.bench.peaks import Peak, dtype_name, peak_for
 from llmu.bench.registry import LOAD_ERRORS, Entry, load_all
 
@@ -63,7 +62,7 @@ AUTOGRADING_REASON = "autograding"
 
 def autograding() -> bool:
     """True while grading code runs this process's notebook (``LLMU_AUTOGRADING`` set, not ``0``)."""
-    return os.environ.get(AUTOGRADING_ENV, "").strip() not in ("", "0")
+    return os.environ.get(runtime.AUTOGRADING_ENV, "").strip() not in ("", "0")
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ quits; Ctrl-C stops a reply that is being generated.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from typing import TextIO
@@ -55,9 +56,22 @@ def turn(engine: LLMEngine, messages: list[dict], params: SamplingParams, out: T
 
 def chat(model, tokenizer, *, system: str | None = None, params: SamplingParams | None = None,
          inp: TextIO | None = None, out: TextIO | None = None, engine: LLMEngine | None = None) -> int:
-    """The interactive loop (reads ``inp``, writes ``out``; the terminal by default)."""
+    """The interactive loop (reads ``inp``, writes ``out``; the terminal by default).
+
+    The arguments are checked before the first prompt: inside the loop a ``ValueError`` means the
+    conversation no longer fits the context, and is answered as such.
+    """
+    if params is None:
+        params = SamplingParams(max_tokens=256)
+    elif not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be an llmu.engine.SamplingParams, got {type(params).__name__}")
+    else:
+        params = dataclasses.replace(params)  # through the constructor: its checks run again
+    if system is not None and not isinstance(system, str):
+        raise TypeError(f"system must be a str or None, got {type(system).__name__}")
+    if engine is not None and not isinstance(engine, LLMEngine):
+        raise TypeError(f"engine must be an llmu.engine.LLMEngine or None, got {type(engine).__name__}")
     inp, out = inp or sys.stdin, out or sys.stdout
-    params = params or SamplingParams(max_tokens=256)
     engine = engine or LLMEngine(model, tokenizer, max_num_seqs=1)
     base = [{"role": "system", "content": system}] if system else []
     messages = list(base)

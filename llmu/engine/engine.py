@@ -22,6 +22,7 @@ Every request that was accepted ends with a ``finish_reason``; a request that co
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterable, Iterator
@@ -174,8 +175,9 @@ class LLMEngine:
     def add_request(self, prompt, params: SamplingParams | None = None) -> int:
         """Queue ``prompt`` (text, chat messages, or token ids); return its request id.
 
-        Raises ``ValueError`` when the request can never run: prompt plus ``max_tokens`` beyond
-        ``max_model_len``, or more blocks than the whole pool has.
+        Raises ``ValueError`` when the request can never run: an empty prompt, a token id outside
+        the model's vocabulary, prompt plus ``max_tokens`` beyond ``max_model_len``, or more blocks
+        than the whole pool has; ``TypeError`` for a prompt or ``params`` of the wrong type.
         """
         ids, params = self._check_request(prompt, params)
         rid = next(self._next_id)
@@ -190,7 +192,11 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be an llmu.engine.SamplingParams, got {type(params).__name__}")
-        ids = prompt_to_ids(self.tokenizer, prompt)
+        # a copy through the constructor: its checks run again, whatever was assigned to its fields since
+        params = dataclasses.replace(params)
+        # ids outside the vocabulary would fail inside a batched step (an IndexError on a CPU, a
+        # device-side assert on a GPU) and take every other request down with it: refuse them here
+        ids = prompt_to_ids(self.tokenizer, prompt, self.model.config.vocab_size)
         cfg, bm = self.config, self.block_manager
         need = len(ids) + params.max_tokens
         if need > cfg.max_model_len:
@@ -206,8 +212,8 @@ class LLMEngine:
                              f"{cfg.max_num_batched_tokens} without chunked_prefill")
         return ids, params
 
-    def _add_all(self, prompts, sampling_params) -> list[int]:
-        """Check every prompt first, then queue them all: one bad prompt queues none."""
+    def _check_all(self, prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
+        """The prompts and one SamplingParams per prompt, every request checked."""
         prompts = self._prompt_list(prompts)
         params = self._params_list(prompts, sampling_params)
         for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -215,6 +221,11 @@ class LLMEngine:
                 self._check_request(p, sp)
             except (ValueError, TypeError) as exc:
                 raise type(exc)(f"prompts[{i}]: {exc}") from None
+        return prompts, params
+
+    def _add_all(self, prompts, sampling_params) -> list[int]:
+        """Check every prompt first, then queue them all: one bad prompt queues none."""
+        prompts, params = self._check_all(prompts, sampling_params)
         return [self.add_request(p, sp) for p, sp in zip(prompts, params)]
 
     def _new_sequence(self, req: _Request, index: int, token_ids: list[int]) -> Sequence:
@@ -338,8 +349,16 @@ class LLMEngine:
         return list(prompts)
 
     def stream(self, prompts, sampling_params=None) -> Iterator[StreamEvent]:
-        """Add every prompt, then run steps until all are done, yielding their text as it comes."""
-        self._add_all(prompts, sampling_params)
+        """Add every prompt, then run steps until all are done, yielding their text as it comes.
+
+        The prompts are checked when this is called (a bad one raises here); they are queued
+        when the first event is asked for."""
+        prompts, params = self._check_all(prompts, sampling_params)
+        return self._stream(prompts, params)
+
+    def _stream(self, prompts: list, params: list[SamplingParams]) -> Iterator[StreamEvent]:
+        for p, sp in zip(prompts, params):
+            self.add_request(p, sp)
         while self.has_unfinished():
             yield from self.step()
 

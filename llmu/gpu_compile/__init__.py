@@ -26,14 +26,16 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from llmu.cache import cache_dir
+
 __all__ = ["run", "TARGET_NAMES"]
 
 TARGET_NAMES = ("sm_90", "sm_80", "sm_75")
 
 
-#: Where compiled kernels are kept between runs (``LLMU_GPU_COMPILE_CACHE`` overrides it).
-CACHE_DIR = os.environ.get("LLMU_GPU_COMPILE_CACHE",
-                           os.path.join(os.path.expanduser("~"), ".cache", "llmu", "gpu-compile"))
+#: Where compiled kernels are kept between runs: ``gpu-compile/`` in llmu's cache folder
+#: (:func:`llmu.cache.cache_dir`), unless ``LLMU_GPU_COMPILE_CACHE`` names another.
+CACHE_DIR = os.environ.get("LLMU_GPU_COMPILE_CACHE", str(cache_dir("gpu-compile")))
 
 
 def run(targets: Sequence[str] = TARGET_NAMES, only: str | None = None, json_path: str | None = None,

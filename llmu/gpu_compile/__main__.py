@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import pkgutil
 import re
 import sys
@@ -20,7 +21,23 @@ import torch
 import llmu
 from llmu import checks, runtime
 from llmu.gpu_compile import TARGET_NAMES, capture
-from llmu.gpu_compile.cases import BF16, FLOAT_DTYPES, all_cases
+from llmu.gpu_compile import cases as C
+from llmu.gpu_compile import cases_more as M
+from llmu.gpu_compile.cases import BF16, FLOAT_DTYPES, Case
+
+
+def all_cases() -> list[Case]:
+    """Every case, module by module (``cases`` and ``cases_more``); then those of
+    ``LLMU_GPU_COMPILE_CASES`` ("module:function", comma-separated; each function returns a list of
+    cases), which is how the tests plant a faulty kernel to see the check fail."""
+    cases: list[Case] = []
+    for part in (C._welcome, C._embeddings, C._attention, C._layers, C._kvcache, C._flash, C._paged,
+                 M._moe, M._quant, M._mamba, M._training, M._spec, M._models):
+        cases += part()
+    for spec in filter(None, os.environ.get("LLMU_GPU_COMPILE_CASES", "").split(",")):
+        module, _, function = spec.strip().partition(":")
+        cases += getattr(importlib.import_module(module), function)()
+    return cases
 
 
 def _dtype_name(dt) -> str:

@@ -195,22 +195,3 @@ def _paged() -> list[Case]:
         Case("paged.paged_prefill_attention", prefill),
         Case("paged.paged_prefill_attention head_dim 256", lambda dt: prefill(dt, d=256)),
     ]
-
-
-def all_cases() -> list[Case]:
-    """Every case, module by module; then those of ``LLMU_GPU_COMPILE_CASES`` ("module:function",
-    comma-separated; each function returns a list of cases), which is how the tests plant a faulty
-    kernel to see the check fail."""
-    import importlib
-    import os
-
-    from llmu.gpu_compile.cases_more import _mamba, _models, _moe, _quant, _spec, _training
-
-    cases: list[Case] = []
-    for part in (_welcome, _embeddings, _attention, _layers, _kvcache, _flash, _paged,
-                 _moe, _quant, _mamba, _training, _spec, _models):
-        cases += part()
-    for spec in filter(None, os.environ.get("LLMU_GPU_COMPILE_CASES", "").split(",")):
-        module, _, function = spec.strip().partition(":")
-        cases += getattr(importlib.import_module(module), function)()
-    return cases

@@ -194,17 +194,20 @@ def choose_tiles(dim: int, N: int, L: int, chunk: int | None = None, block_d: in
 
 
 def selective_scan_triton(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                          return_last_state=False, chunk: int | None = None, block_d: int | None = None):
+                          return_last_state=False, chunk: int | None = None, block_d: int | None = None, *,
+                          check_values: bool = True):
     """The selective scan in one Triton launch (module docstring); the arguments and results of
     ``reference.selective_scan_sequential``, plus the tiles ``chunk`` (time steps per chunk) and
-    ``block_d`` (channels per program), powers of two, chosen by :func:`choose_tiles` when None."""
+    ``block_d`` (channels per program), powers of two, chosen by :func:`choose_tiles` when None.
+    ``A`` must be ``<= 0`` (``reference.check_A``: one small read back to the host per call;
+    ``check_values=False`` skips it)."""
     for name, t in (("u", u), ("delta", delta), ("B", B), ("C", C), ("z", z)):
         if t is not None:
             require_tensor(name, t, dtypes=FLOAT_DTYPES)
     for name, t in (("A", A), ("D", D), ("delta_bias", delta_bias)):
         if t is not None:
             require_tensor(name, t, dtypes=FLOAT_DTYPES + (torch.float64,))
-    batch, dim, L, N = reference.check_scan_inputs(u, delta, A, B, C, D, z, delta_bias)
+    batch, dim, L, N = reference.check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, check_values=False)
     if torch.is_grad_enabled():
         for name, t in (("u", u), ("delta", delta), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z),
                         ("delta_bias", delta_bias)):
@@ -217,6 +220,7 @@ def selective_scan_triton(u, delta, A, B, C, D=None, z=None, delta_bias=None, de
         require_power_of_two("chunk", chunk)
     if block_d is not None:
         require_power_of_two("block_d", block_d)
+    reference.check_A(A, check_values)  # last: the one check that reads values (waits for the GPU)
     BLOCK_D, N_PAD, CHUNK = choose_tiles(dim, N, L, chunk, block_d)
 
     Bg = _as_groups(B, batch, dim, L, N)

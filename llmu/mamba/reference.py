@@ -20,7 +20,11 @@ Shapes and semantics follow ``selective_scan_ref`` published with the Mamba pape
 
 - ``u`` ``(B, D, L)``: the input, batch ``B``, ``D`` channels, ``L`` time steps;
 - ``delta`` ``(B, D, L)``: the step ``Δ`` (before ``delta_bias`` and softplus);
-- ``A`` ``(D, N)``: real, normally negative;
+- ``A`` ``(D, N)``: real, ``<= 0`` (Mamba's ``A = -exp(A_log)`` is negative). The scans refuse
+  a positive entry: the state would grow by ``exp(Δ A) > 1`` every step and overflow. ``A = 0``
+  is allowed: a state that never forgets (``Ā = 1``, a running sum), the limit the exact
+  zero-order hold (:func:`zoh_discretize`) handles too. The discretisation formulas themselves
+  take any real ``A``: one step is well defined whatever its sign;
 - ``B``, ``C``: ``(D, N)`` (time-invariant, an S4-like SSM), ``(B, N, L)`` (input-dependent, one
   vector per time step shared by all channels: Mamba), or ``(B, G, N, L)`` (``G`` groups of
   ``D / G`` consecutive channels, each group with its own vector);
@@ -57,8 +61,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from llmu.checks import require_values
+
 __all__ = [
     "check_scan_inputs",
+    "check_A",
     "prepare_delta",
     "discretize",
     "zoh_discretize",
@@ -102,9 +109,26 @@ def _check_bc(name: str, X: torch.Tensor, batch: int, dim: int, L: int, N: int) 
                          f"got shape {tuple(X.shape)}")
 
 
-def check_scan_inputs(u, delta, A, B, C, D=None, z=None, delta_bias=None) -> tuple[int, int, int, int]:
-    """Check the shapes of a scan's inputs; return ``(batch, D, L, N)``.
+def check_A(A: torch.Tensor, check_values: bool = True) -> None:
+    """``A`` has no positive (or NaN) entry, unless ``check_values`` is False.
 
+    It reads ``A`` back to the host (one small reduction, one wait for a GPU), once per call.
+    ``MambaBlock`` passes ``check_values=False``: its ``A = -exp(A_log)`` is negative by construction,
+    and its decode loop should not wait for the GPU at every token."""
+    if not isinstance(check_values, bool):
+        raise TypeError(f"check_values must be a bool, got {check_values!r}")
+    if check_values and A.numel():
+        require_values((~(A.amax() <= 0),  # also true for a NaN
+                        "A must have no positive or NaN entry (Mamba's A = -exp(A_log) is negative): a positive "
+                        "A makes the state grow by exp(delta * A) > 1 every step until it overflows; "
+                        "A = 0 (no decay) is allowed"))
+
+
+def check_scan_inputs(u, delta, A, B, C, D=None, z=None, delta_bias=None, *,
+                      check_values: bool = True) -> tuple[int, int, int, int]:
+    """Check a scan's inputs; return ``(batch, D, L, N)``.
+
+    Shapes first, then (with ``check_values``) that ``A`` has no positive entry (:func:`check_A`).
     Raises ``ValueError`` (``TypeError`` for a non-tensor) naming the argument at fault."""
     _is_tensor("u", u)
     if u.ndim != 3:
@@ -126,6 +150,7 @@ def check_scan_inputs(u, delta, A, B, C, D=None, z=None, delta_bias=None) -> tup
             raise ValueError(f"{name} must have shape (D,) = ({dim},), got {tuple(t.shape)}")
     if z is not None and _is_tensor("z", z).shape != u.shape:
         raise ValueError(f"z must have the shape of u {tuple(u.shape)}, got {tuple(z.shape)}")
+    check_A(A, check_values)
     return batch, dim, L, N
 
 
@@ -205,13 +230,13 @@ def _finish(y: torch.Tensor, u: torch.Tensor, D, z) -> torch.Tensor:
 
 
 def selective_scan_sequential(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                              return_last_state=False):
+                              return_last_state=False, *, check_values: bool = True):
     """The selective scan as a loop over time (module docstring for shapes and the math).
 
     ``x_t = Ā_t * x_{t-1} + (B̄ u)_t``, ``y_t = Σ_n x_t[n] C_t[n]``, then ``(y + D u) * silu(z)``.
     Returns ``out`` ``(B, D, L)`` in ``u``'s dtype, and the last state ``(B, D, N)`` float32 when
-    ``return_last_state``."""
-    batch, dim, L, N = check_scan_inputs(u, delta, A, B, C, D, z, delta_bias)
+    ``return_last_state``. ``check_values=False`` skips the check that ``A <= 0`` (:func:`check_A`)."""
+    batch, dim, L, N = check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, check_values=check_values)
     delta = prepare_delta(delta, delta_bias, delta_softplus)
     deltaA, deltaB_u = discretize(delta, A, B, u)
     Cc = _per_channel(C, dim).expand(batch, dim, L, N)
@@ -319,17 +344,18 @@ METHODS = ("hillis_steele", "blelloch")
 
 
 def selective_scan_parallel(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                            return_last_state=False, method: str = "hillis_steele"):
+                            return_last_state=False, method: str = "hillis_steele", *, check_values: bool = True):
     """The selective scan as a parallel prefix scan: the same arguments and results as
     :func:`selective_scan_sequential`, computed in ``ceil(log2 L)`` rounds of tensor operations
     (``method="hillis_steele"``) or ``2 ceil(log2 L)`` rounds doing less work (``"blelloch"``).
 
     The elements ``(Ā_t, (B̄u)_t)`` are scanned with :func:`combine` along time; the ``b``
     component of prefix ``t`` is the state ``x_t`` (``x_{-1} = 0``). The products are grouped
-    differently from the loop's, so float32 results differ in the last bits (and gradients too)."""
+    differently from the loop's, so float32 results differ in the last bits (and gradients too).
+    ``check_values=False`` skips the check that ``A <= 0`` (:func:`check_A`)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    batch, dim, L, N = check_scan_inputs(u, delta, A, B, C, D, z, delta_bias)
+    batch, dim, L, N = check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, check_values=check_values)
     delta = prepare_delta(delta, delta_bias, delta_softplus)
     deltaA, deltaB_u = discretize(delta, A, B, u)               # (B, D, L, N) each
     scan = _hillis_steele if method == "hillis_steele" else _blelloch
@@ -345,14 +371,16 @@ def selective_scan_parallel(u, delta, A, B, C, D=None, z=None, delta_bias=None, 
 
 
 def selective_state_step(state, u_t, delta_t, A, B_t, C_t, D=None, z_t=None, delta_bias=None,
-                         delta_softplus=False):
+                         delta_softplus=False, *, check_values: bool = True):
     """One step of the recurrence: ``(y_t, new_state)``, constant memory whatever the position.
 
     ``state`` ``(B, D, N)`` (float32, the ``x_{t-1}`` a scan's ``return_last_state`` gives),
     ``u_t``, ``delta_t``, ``z_t`` ``(B, D)``, ``A`` ``(D, N)``, ``B_t`` and ``C_t`` ``(B, N)`` or
     grouped ``(B, G, N)``. A time-invariant ``B`` ``(D, N)`` is the grouped case with ``G = D``:
     pass ``B.expand(batch, D, N)``. Returns ``y_t`` ``(B, D)`` in ``u_t``'s dtype and the new
-    float32 state; ``state`` is not modified."""
+    float32 state; ``state`` is not modified. ``A`` must be ``<= 0`` (:func:`check_A`;
+    ``check_values=False`` skips that check, as a decode loop whose ``A`` is negative by
+    construction does)."""
     if not isinstance(state, torch.Tensor) or state.ndim != 3:
         raise ValueError(f"state must be a tensor of shape (B, D, N), got {getattr(state, 'shape', state)}")
     batch, dim, N = state.shape
@@ -374,6 +402,7 @@ def selective_state_step(state, u_t, delta_t, A, B_t, C_t, D=None, z_t=None, del
     for name, t in (("D", D), ("delta_bias", delta_bias)):
         if t is not None and _is_tensor(name, t).shape != (dim,):
             raise ValueError(f"{name} must have shape (D,) = ({dim},), got {tuple(t.shape)}")
+    check_A(A, check_values)
     Bc, Cc = per
     dt = prepare_delta(delta_t, delta_bias, delta_softplus)                # (B, D)
     dA = torch.exp(dt[..., None] * A.float())                               # Ā_t   (B, D, N)

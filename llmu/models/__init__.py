@@ -15,7 +15,7 @@ The capital of France is Paris.
 
 from llmu.models.backends import attention_backends, get_attention_backend, register_attention_backend
 from llmu.models.cache import KVCache
-from llmu.models.config import LlamaConfig
+from llmu.models.config import LlamaConfig, byte_llama_config
 from llmu.models.generate import Generation, GenerationStats, generate, generate_ids, stream_generate
 from llmu.models.gguf_file import GGUFFile, model_path
 from llmu.models.hf_loader import load_hf_checkpoint
@@ -52,6 +52,7 @@ __all__ = [
     "ModelOutput",
     "Tokenizer",
     "attention_backends",
+    "byte_llama_config",
     "dequantize",
     "generate",
     "generate_ids",

@@ -1,7 +1,11 @@
-"""Benchmark of module 00: how fast the whole model generates, llmu against transformers.
+"""Benchmarks of module 00: how fast the whole model loads and generates, llmu against transformers.
 
-One measurement = batch 1, a prompt of ``prompt_len`` tokens, ``new_tokens`` greedy tokens, the
-same fp32 weights and the same threads for both providers:
+Loading (``model_load_s``, :func:`time_loads`): llmu's first load of a dtype dequantizes the GGUF
+file and writes the weights to its cache on disk; later loads map that file
+(:mod:`llmu.models.weight_cache`). transformers' ``from_pretrained`` of the same GGUF file beside them.
+
+Generating (``decode_tokens_per_s``): one measurement = batch 1, a prompt of ``prompt_len`` tokens,
+``new_tokens`` greedy tokens, the same fp32 weights and the same threads for both providers:
 
 - prefill tokens/s = ``prompt_len / t(1 new token)``: the prompt in one forward pass;
 - decode tokens/s = ``(new_tokens - 1) / (t(new_tokens) - t(1))``: one forward pass per token,
@@ -149,5 +153,96 @@ DECODE = register(
         gpu_sizes=[{"prompt": 128, "new": 128}, {"prompt": 1024, "new": 128}],
         cpu_sizes=[{"prompt": 128, "new": 128}],
         x_axis="prompt",
+    )
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading the model: the first time (dequantize the GGUF file) and after (map the weight cache)
+# ---------------------------------------------------------------------------------------------
+
+LOAD_PROVIDERS = ("llmu cold", "llmu warm", "transformers")
+
+
+def time_loads(dtype=torch.float32, device="cpu", *, path=None, providers=LOAD_PROVIDERS) -> dict[str, float]:
+    """Seconds to load the model from the GGUF file ``path`` (the course's by default): llmu's first
+    load with an empty weight cache ("llmu cold": parse, dequantize, write the cache), its next one
+    ("llmu warm": hash the file, map the cache), and transformers' ``from_pretrained`` of the same file.
+
+    The cache lives in a temporary folder for the measurement (``LLMU_CACHE`` is set meanwhile),
+    and what a new process would recompute (the parsed metadata, the file's hash) is forgotten
+    first, so both llmu figures are what a fresh process waits for, imports aside.
+    transformers raises ``ImportError`` when it (or ``accelerate``) is not installed.
+    """
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from llmu.cache import CACHE_ENV
+    from llmu.models import gguf_file, weight_cache
+    from llmu.models.loading import load_weights
+
+    unknown = set(providers) - set(LOAD_PROVIDERS)
+    if unknown:
+        raise ValueError(f"providers must be among {LOAD_PROVIDERS}, got {sorted(unknown)}")
+    path = Path(path) if path is not None else gguf_file.model_path()
+    out = {}
+    if "llmu cold" in providers or "llmu warm" in providers:
+        previous = os.environ.get(CACHE_ENV)
+        with tempfile.TemporaryDirectory(prefix="llmu-load-bench-") as folder:
+            os.environ[CACHE_ENV] = folder
+            try:
+                for provider in ("llmu cold", "llmu warm"):
+                    gguf_file._parse.cache_clear()
+                    weight_cache._sha256.cache_clear()
+                    start = time.perf_counter()
+                    model, _ = load_weights(path, dtype=dtype, device=device)
+                    seconds = time.perf_counter() - start
+                    del model
+                    if provider in providers:
+                        out[provider] = seconds
+            finally:
+                if previous is None:
+                    os.environ.pop(CACHE_ENV, None)
+                else:
+                    os.environ[CACHE_ENV] = previous
+    if "transformers" in providers:
+        import accelerate  # noqa: F401 - transformers needs it to load a GGUF file
+        import transformers
+
+        start = time.perf_counter()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+        out["transformers"] = time.perf_counter() - start
+        del hf
+    return out
+
+
+def _run_load(size: dict, device) -> list[dict]:
+    dtype = runtime.preferred_dtype(device)
+    seconds = time_loads(dtype, device, providers=("llmu cold", "llmu warm"))
+    skipped = {}
+    try:
+        seconds.update(time_loads(dtype, device, providers=("transformers",)))
+    except ImportError as exc:  # transformers or accelerate missing: skipped, as the runner does for providers
+        skipped["transformers"] = f"not installed: {type(exc).__name__}: {exc}"
+    rows = []
+    for provider in LOAD_PROVIDERS:
+        row = dict(provider=provider, label=provider, kind="external" if provider == "transformers" else "torch",
+                   dtype=dtype)
+        if provider in skipped:
+            row.update(status="skipped", reason=skipped[provider])
+        else:
+            row.update(ms=1e3 * seconds[provider], seconds=seconds[provider])
+        rows.append(row)
+    return rows
+
+
+LOAD = register(
+    Entry(
+        name="model_load_s",
+        module="00_welcome",
+        description="Loading SmolLM2-135M: llmu's first load (dequantize the GGUF file, write the weight "
+                    "cache), its next ones (map the cache), and transformers' load of the same GGUF file",
+        run=_run_load,
     )
 )

@@ -1,8 +1,14 @@
-"""The hyper-parameters of a Llama-family decoder."""
+"""The hyper-parameters of a Llama-family decoder, and of the small byte-level one the course trains.
+
+:class:`LlamaConfig` describes any checkpoint llmu loads; :func:`byte_llama_config` sizes a fresh
+decoder over the 256 byte values (no tokenizer), which modules 04 and 15 train from scratch.
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+
+from llmu.checks import require_positive
 
 
 @dataclass
@@ -84,3 +90,18 @@ class LlamaConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def byte_llama_config(hidden: int, layers: int, max_len: int = 1024, head_dim: int = 64) -> LlamaConfig:
+    """A Llama-architecture decoder over the 256 byte values, ``hidden`` wide and ``layers`` deep
+    (multi-head attention with ``head_dim`` channels per head, SwiGLU ``≈ 8·hidden/3`` wide, untied head)."""
+    require_positive("hidden", hidden, integer=True)
+    require_positive("layers", layers, integer=True)
+    if hidden % head_dim:
+        raise ValueError(f"hidden ({hidden}) must be a multiple of head_dim ({head_dim})")
+    heads = hidden // head_dim
+    ffn = -(-8 * hidden // 3 // 64) * 64
+    return LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=heads, head_dim=head_dim,
+                       max_position_embeddings=max_len, tie_word_embeddings=False, bos_token_id=None,
+                       eos_token_id=None, pad_token_id=None, name=f"byte-llama-{hidden}x{layers}")

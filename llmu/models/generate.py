@@ -15,12 +15,15 @@ to produce one token (memory-bound). Module 05 measures both; :class:`Generation
 
 from __future__ import annotations
 
+import dataclasses
+import numbers
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from llmu.checks import require_token_ids
 from llmu.models.cache import KVCache
 from llmu.models.sampling import SamplingParams, next_token
 
@@ -61,18 +64,16 @@ class Generation(str):
         return str(self)
 
 
-def prompt_to_ids(tokenizer, prompt) -> list[int]:
-    """Token ids of a prompt given as text, as chat messages (ChatML + the assistant's turn), or as ids."""
+def prompt_to_ids(tokenizer, prompt, vocab_size: int | None = None) -> list[int]:
+    """Token ids of a prompt given as text, as chat messages (ChatML + the assistant's turn), or as ids.
+
+    At least one token; with ``vocab_size`` (the model's), every id in ``[0, vocab_size)``."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("a tokenizer is needed to encode a text prompt")
         ids = tokenizer.encode(prompt)
     elif isinstance(prompt, torch.Tensor):
-        if prompt.ndim == 2 and prompt.shape[0] == 1:
-            prompt = prompt[0]
-        if prompt.ndim != 1 or prompt.is_floating_point():
-            raise ValueError(f"prompt ids must be one sequence of integers, got shape {tuple(prompt.shape)}")
-        ids = prompt.tolist()
+        ids = require_token_ids("prompt", prompt)
     elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
         if tokenizer is None:
             raise ValueError("a tokenizer is needed to format chat messages")
@@ -83,26 +84,65 @@ def prompt_to_ids(tokenizer, prompt) -> list[int]:
         raise TypeError("prompt must be a str, a list of chat messages, or a list/tensor of token ids")
     if not ids:
         raise ValueError("prompt is empty: give at least one token")
-    return ids
+    return require_token_ids("prompt", ids, vocab_size)
+
+
+def _check_params(params: SamplingParams | None) -> SamplingParams:
+    """``params`` (default: greedy) as a fresh copy made through the constructor, so its checks run
+    again whatever was assigned to its fields since; TypeError for anything but a SamplingParams."""
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a llmu.models.SamplingParams, got {type(params).__name__}")
+    return dataclasses.replace(params)
 
 
 def generate_ids(model, prompt_ids: Sequence[int], max_new_tokens: int, params: SamplingParams | None = None, *,
                  eos_ids: Sequence[int] = (), stats: GenerationStats | None = None,
                  cache: KVCache | None = None) -> Iterator[int]:
     """Yield new token ids one by one, stopping after an EOS token (which is yielded) or
-    ``max_new_tokens``. The core loop behind :func:`generate`."""
-    params = params or SamplingParams()
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+    ``max_new_tokens``. The core loop behind :func:`generate`.
+
+    ``prompt_ids``: a list or a 1-D integer tensor (any device) of ids in ``[0, vocab_size)``.
+    The arguments are checked here, when this is called, not when the first token is asked for:
+    it returns the generator that does the work. Each check runs once, none in the decode loop.
+    """
+    ids = require_token_ids("prompt_ids", prompt_ids, model.config.vocab_size)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        raise TypeError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    prompt_ids = list(prompt_ids)
-    total = len(prompt_ids) + max_new_tokens
+    total = len(ids) + max_new_tokens
     if total > model.config.max_position_embeddings:
         raise ValueError(
-            f"max_new_tokens: prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) exceeds the "
+            f"max_new_tokens: prompt ({len(ids)}) + max_new_tokens ({max_new_tokens}) exceeds the "
             f"model's context of {model.config.max_position_embeddings} positions"
         )
+    params = _check_params(params)
+    if isinstance(eos_ids, torch.Tensor):
+        eos_ids = eos_ids.reshape(-1).tolist()
+    if isinstance(eos_ids, (str, bytes)) or not isinstance(eos_ids, Iterable):
+        raise TypeError(f"eos_ids must be a list of int token ids, got {eos_ids!r}")
+    eos_ids = list(eos_ids)
+    if any(isinstance(e, bool) or not isinstance(e, numbers.Integral) for e in eos_ids):
+        raise TypeError(f"eos_ids must be a list of int token ids, got {eos_ids!r}")
+    if stats is not None and not isinstance(stats, GenerationStats):
+        raise TypeError(f"stats must be a GenerationStats or None, got {type(stats).__name__}")
+    if cache is not None:
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a llmu.models.KVCache or None, got {type(cache).__name__}")
+        if cache.length + total > cache.max_len:
+            raise ValueError(f"cache holds max_len={cache.max_len} positions, {cache.length} of them used; "
+                             f"prompt ({len(ids)}) + max_new_tokens ({max_new_tokens}) do not fit")
+    return _generate_ids(model, ids, max_new_tokens, params, {int(e) for e in eos_ids}, stats, cache)
+
+
+def _generate_ids(model, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, eos: set[int],
+                  stats: GenerationStats | None, cache: KVCache | None) -> Iterator[int]:
+    """The loop of :func:`generate_ids`, on arguments it has checked."""
     if max_new_tokens == 0:
         return
+    total = len(prompt_ids) + max_new_tokens
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt_ids)
     device = model.device
@@ -119,7 +159,6 @@ def generate_ids(model, prompt_ids: Sequence[int], max_new_tokens: int, params: 
     n = len(prompt_ids)
     if cache is None:
         cache = KVCache.for_model(model, batch_size=1, max_len=total)
-    eos = set(int(e) for e in eos_ids)
     use_context = params.repetition_penalty != 1
 
     # inference mode only around the model's work: the caller's code between two tokens runs
@@ -166,7 +205,8 @@ def stream_generate(model, tokenizer, prompt, max_new_tokens: int = 128, *, para
 
     A piece is held back while it could still be the start of a stop string or of an unfinished
     UTF-8 character, so the concatenated pieces are exactly the final text. Pass a dict as
-    ``result`` to receive the :class:`Generation` at the end.
+    ``result`` to receive the :class:`Generation` at the end. As with :func:`generate_ids`, the
+    arguments are checked when this is called, before the first piece is asked for.
     """
     if params is None:
         params = SamplingParams(**sampling)
@@ -184,17 +224,28 @@ def stream_generate(model, tokenizer, prompt, max_new_tokens: int = 128, *, para
         raise ValueError("stop strings must not be empty")
     if stops and tokenizer is None:
         raise ValueError("stop strings need a tokenizer to decode the output")
+    if not isinstance(stop_on_eos, bool):
+        raise TypeError(f"stop_on_eos must be a bool, got {stop_on_eos!r}")
+    if result is not None and not isinstance(result, dict):
+        raise TypeError(f"result must be a dict or None, got {type(result).__name__}")
 
-    prompt_ids = prompt_to_ids(tokenizer, prompt)
+    prompt_ids = prompt_to_ids(tokenizer, prompt, model.config.vocab_size)
     eos_ids: list[int] = []
     if stop_on_eos:
         eos_ids = list(model.config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos_ids.append(tokenizer.eos_token_id)
     stats = GenerationStats()
+    tokens = generate_ids(model, prompt_ids, max_new_tokens, params, eos_ids=eos_ids, stats=stats)
+    return _stream_text(tokens, tokenizer, prompt_ids, eos_ids, stops, stats, result)
+
+
+def _stream_text(tokens: Iterator[int], tokenizer, prompt_ids: list[int], eos_ids: list[int], stops: list[str],
+                 stats: GenerationStats, result: dict | None) -> Iterator[str]:
+    """The loop of :func:`stream_generate`: decode ``tokens`` into text pieces, on checked arguments."""
     ids: list[int] = []
     text, emitted, finish = "", 0, "length"
-    for token_id in generate_ids(model, prompt_ids, max_new_tokens, params, eos_ids=eos_ids, stats=stats):
+    for token_id in tokens:
         if token_id in eos_ids:
             finish = "eos"
             break

@@ -17,6 +17,10 @@ ways to run the file: keep the stored order and rotate interleaved pairs, or und
 and rotate halves. llmu undoes it (:func:`unpermute_rope_rows`) and uses ``"half"``: the weights
 are then identical to those of the Hugging Face checkpoint, row for row, and RoPE is the one of
 ``llmu.layers``. Keeping the stored rows with ``"half"`` is wrong (a test shows the logits change).
+
+Caching: parsing the file and dequantizing take seconds, and give the same weights every time.
+:func:`load_model` therefore writes them once to a safetensors file (:mod:`llmu.models.weight_cache`)
+and later maps that file; :data:`LOADER_VERSION` is part of its key.
 """
 
 from __future__ import annotations
@@ -27,10 +31,18 @@ import time
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 
+from llmu.models import weight_cache
 from llmu.models.backends import get_attention_backend
-from llmu.models.gguf_file import GGUFFile
+from llmu.models.config import LlamaConfig
+from llmu.models.gguf_file import GGUFFile, model_path
 from llmu.models.llama import LlamaModel
+
+#: Version of what this module makes of a GGUF file. Bump it whenever the weights it produces
+#: change (dequantization, RoPE row order, names, dtype casts): the weight files that
+#: :func:`load_model` cached are keyed by it, so those of an older loader are then not used.
+LOADER_VERSION = 1
 
 #: GGUF tensor name pattern -> Hugging Face / llmu parameter name
 GGUF_TO_HF = {
@@ -94,25 +106,87 @@ def build_from_gguf(path=None, *, dtype=torch.float32, device=None, attention: s
     with GGUFFile(path) as f:
         config = f.config
         config.rope_layout = rope_layout
-        # the skeleton on the "meta" device allocates nothing; the dequantized tensors become the
-        # parameters themselves (no random initialisation, no second copy)
-        with torch.device("meta"):
-            model = LlamaModel(config, attention=attention, dtype=dtype)
         state = {name: w.to(device) for name, w in
                  gguf_state_dict(f, unpermute=rope_layout == "half", dtype=dtype)}
-    expected = set(dict(model.named_parameters(remove_duplicate=False)))
+    model = assemble(config, state, dtype=dtype, attention=attention, source="the GGUF file")
+    del state
+    _release_freed_memory()
+    return model
+
+
+def assemble(config: LlamaConfig, state: dict[str, torch.Tensor], *, dtype=torch.float32, device=None,
+             attention: str = "sdpa", source: str = "the weights") -> LlamaModel:
+    """A :class:`LlamaModel` whose parameters *are* the tensors of ``state`` (moved to ``device``).
+
+    The skeleton is built on the "meta" device, which allocates nothing; the tensors are then
+    assigned as the parameters (no random initialisation, no second copy). With tied embeddings
+    ``state`` holds no ``lm_head.weight`` and the head is the embedding matrix itself. A tensor
+    missing from ``state``, or of another shape, raises ``ValueError`` naming ``source``.
+    """
+    with torch.device("meta"), _SkipInit():
+        model = LlamaModel(config, attention=attention, dtype=dtype)
+    expected = dict(model.named_parameters(remove_duplicate=False))
     if config.tie_word_embeddings:
-        expected.discard("lm_head.weight")
-    missing = expected - set(state)
+        expected.pop("lm_head.weight")
+    missing = sorted(set(expected) - set(state))
     if missing:
-        raise ValueError(f"the GGUF file has no weights for {sorted(missing)[:5]}")
+        raise ValueError(f"{source} has no weights for {missing[:5]}")
+    for name, p in expected.items():
+        if state[name].shape != p.shape:
+            raise ValueError(f"{source} has {name} of shape {tuple(state[name].shape)}, expected {tuple(p.shape)}")
+    if device is not None:
+        state = {name: w.to(device) for name, w in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.requires_grad_(False)
-    del state
-    _release_freed_memory()
     return model.eval()
+
+
+class _SkipInit(TorchFunctionMode):
+    """Skip ``torch.nn.init`` while a skeleton is built on the meta device: its values would be
+    replaced anyway, and random numbers on "meta" make torch import its compiler (2 s, once)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
+def load_weights(path=None, *, dtype=torch.float32, device=None, attention: str = "sdpa"
+                 ) -> tuple[LlamaModel, str]:
+    """The model of a GGUF file through the weight cache (:mod:`llmu.models.weight_cache`), and
+    where its weights came from: ``"cache"`` or ``"gguf"``.
+
+    The first time (per file content, :data:`LOADER_VERSION` and dtype) the file is dequantized
+    as by :func:`build_from_gguf` and the weights are written to the cache; later the cached file
+    is mapped (no GGUF parsing, no dequantization) and the model built from the config stored
+    beside the weights. A damaged cache file is rebuilt; a cache that cannot be written is
+    skipped; each with one warning. Either way the weights are the same, bit for bit.
+    """
+    gguf = Path(path) if path is not None else model_path()
+    sha = weight_cache.file_sha256(gguf)
+    key = dict(sha256=sha, dtype=dtype, loader_version=LOADER_VERSION)
+    file = weight_cache.cache_file(sha, dtype, LOADER_VERSION)
+    cached = weight_cache.read(file, **key)
+    if cached is not None:
+        try:
+            return assemble(*cached, dtype=dtype, device=device, attention=attention, source=str(file)), "cache"
+        except ValueError as exc:  # a file that another llmu wrote under the same key
+            weight_cache.warn_damaged(file, str(exc))
+    with GGUFFile(gguf) as f:
+        config = f.config
+        state = dict(gguf_state_dict(f, dtype=dtype))
+    if weight_cache.write(file, state, config, **key):
+        # map what was just written: the same bits, held as file pages that other processes share
+        cached = weight_cache.read(file, **key)
+        if cached is not None:
+            config, state = cached
+    model = assemble(config, state, dtype=dtype, device=device, attention=attention, source=str(gguf))
+    del state, cached
+    _release_freed_memory()
+    return model, "gguf"
 
 
 def _release_freed_memory() -> None:
@@ -130,13 +204,15 @@ def _release_freed_memory() -> None:
 
 _CACHE: dict[tuple, LlamaModel] = {}
 _LOCK = threading.Lock()
-#: seconds the last uncached load took (read, dequantize, build)
+#: seconds the last load that read weights took (``fresh=True`` or the first of a dtype and device)
 LAST_LOAD_S: float | None = None
+#: where those weights came from: ``"cache"`` (the weight cache on disk) or ``"gguf"`` (dequantized)
+LAST_LOAD_SOURCE: str | None = None
 
 
 def _share_weights(src: LlamaModel, attention: str) -> LlamaModel:
     """A second model object over the *same* weight tensors, with its own attention backend."""
-    with torch.device("meta"):
+    with torch.device("meta"), _SkipInit():
         twin = LlamaModel(src.config, attention=attention, dtype=src.dtype)
     twin.load_state_dict(src.state_dict(), assign=True)
     if src.config.tie_word_embeddings:
@@ -154,8 +230,12 @@ def load_model(dtype: torch.dtype = torch.float32, device=None, attention: str =
     that shares the weight tensors (no extra memory). Changing weights in place therefore shows
     in every copy; ``fresh=True`` gives an independent model that is not cached (for exercises
     that modify weights). The weights do not require gradients; call ``requires_grad_()`` to train.
+    Across processes the dequantized weights are kept on disk (:func:`load_weights`): the first
+    load of a dtype takes seconds, later ones a fraction of one (``llmu doctor`` says where the
+    cache is and how big; ``LLMU_CACHE`` moves it).
+    The first call lowers torch's CPU threads to the CPUs the process may use, unless
+    ``OMP_NUM_THREADS`` or ``MKL_NUM_THREADS`` is set (:func:`llmu.runtime.configure_threads`).
     """
-    global LAST_LOAD_S
     from llmu import runtime
 
     get_attention_backend(attention)  # an unknown name fails before anything is read
@@ -163,20 +243,29 @@ def load_model(dtype: torch.dtype = torch.float32, device=None, attention: str =
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     path = Path(path) if path is not None else None
+    runtime.configure_threads()  # once per process: no more torch threads than CPUs we may use
     if fresh:
-        return build_from_gguf(path, dtype=dtype, device=device, attention=attention)
+        with _LOCK:  # one load at a time: each needs the memory of a whole model while it runs
+            return _load(path, dtype, device, attention)
     key = (str(path), dtype, str(device))
     with _LOCK:
         base = _CACHE.get(key)
         if base is None:
-            start = time.perf_counter()
-            base = build_from_gguf(path, dtype=dtype, device=device, attention=attention)
-            LAST_LOAD_S = time.perf_counter() - start
+            base = _load(path, dtype, device, attention)
             _CACHE[key] = base
             _CACHE[key + (attention,)] = base
         model = _CACHE.get(key + (attention,))
         if model is None:
             model = _CACHE[key + (attention,)] = _share_weights(base, attention)
+    return model
+
+
+def _load(path, dtype, device, attention) -> LlamaModel:
+    """:func:`load_weights`, timed in :data:`LAST_LOAD_S` and :data:`LAST_LOAD_SOURCE`."""
+    global LAST_LOAD_S, LAST_LOAD_SOURCE
+    start = time.perf_counter()
+    model, LAST_LOAD_SOURCE = load_weights(path, dtype=dtype, device=device, attention=attention)
+    LAST_LOAD_S = time.perf_counter() - start
     return model
 
 

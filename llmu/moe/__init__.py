@@ -4,14 +4,15 @@
   without renormalising the ``k`` weights), capacity (``expert_capacity`` = ``ceil(capacity_factor
   * T * k / E)``, ``expert_positions``, ``dispatch_mask``: drops in token order), the auxiliary
   losses (``load_balancing_loss``, Switch Transformer's, generalised to top-k; ``router_z_loss``,
-  ST-MoE's), ``route`` (the router half of a layer, returning a ``MoEAux``), ``moe_reference``
-  (the loop over experts) and ``MoEFeedForward`` (the ``nn.Module``, differentiable on its torch
-  path, which the notebook trains).
+  ST-MoE's), ``route`` (the router half of a layer, returning a ``MoEAux``) and ``moe_reference``
+  (the loop over experts).
 - ``kernels``: the GPU layout of the same layer in Triton: ``permute`` (a counting sort of the
   token copies by expert, rows gathered by a kernel), ``grouped_gemm`` (every expert's matmul in
   one launch over ragged groups; ``grouped_gemm_dw`` its weight gradient), ``unpermute`` (the
   gate-weighted combine), and ``moe_triton`` (permute -> grouped GEMM gate/up -> SwiGLU ->
   grouped GEMM down -> unpermute), forward and backward.
+- ``layer``: ``MoEFeedForward``, the ``nn.Module`` the notebook trains: a router and the experts'
+  weights, run by ``moe_reference`` or ``moe_triton`` (``impl``), differentiable on both paths.
 - ``params``: total and active parameters and FLOPs per token of dense and MoE decoders
   (``count_parameters``, ``flops_per_token``, ``with_experts``; Mixtral-8x7B's 46.7B / 12.9B).
 - ``train``: a small byte-level MoE language model trained on CPU, recording every expert's load
@@ -22,6 +23,7 @@
   and back by two all-to-all exchanges, forward and backward; ``launch(demo, 2)`` (from
   ``llmu.distributed``) runs it on two gloo processes and returns the traffic matrix.
 
-This package imports nothing on its own, so that ``llmu.moe.reference`` can be used without
-importing Triton.
+This package imports nothing on its own, so that ``llmu.moe.reference`` and ``llmu.moe.layer``
+can be used without importing Triton. ``kernels`` imports ``reference`` (its specification) and
+``layer`` imports both, never the other way round.
 """

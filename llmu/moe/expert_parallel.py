@@ -51,6 +51,7 @@ import torch.nn as nn
 from llmu.checks import require_positive
 from llmu.layers.reference import swiglu
 from llmu.moe import reference
+from llmu.moe.layer import IMPLS, MoEFeedForward
 from llmu.moe.kernels import sort_by_expert
 
 __all__ = ["experts_per_rank", "check_expert_parallel_inputs", "all_to_all", "expert_parallel_moe",
@@ -180,8 +181,8 @@ def expert_parallel_moe(x, router_weight, w_gate, w_up, w_down, k: int, *, renor
     to rank ``d`` (the diagonal stays home). ``impl``: ``"torch"`` (a loop over the local
     experts) or ``"triton"`` (``kernels.permute`` + ``grouped_gemm`` + ``unpermute``).
     """
-    if impl not in reference.IMPLS:
-        raise ValueError(f"impl must be one of {reference.IMPLS}, got {impl!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     world, rank = _require_group(group)
     num_experts, num_local = check_expert_parallel_inputs(x, router_weight, w_gate, w_up, w_down, k, world)
     x2 = x.reshape(-1, x.shape[-1])
@@ -270,8 +271,8 @@ class ExpertParallelMoE(nn.Module):
         require_positive("intermediate", intermediate, integer=True)
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= num_experts:
             raise ValueError(f"k must be an int with 1 <= k <= E (the number of experts); got k={k!r}, E={num_experts}")
-        if impl is not None and impl not in reference.IMPLS:
-            raise ValueError(f"impl must be one of {reference.IMPLS} or None, got {impl!r}")
+        if impl is not None and impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
         world, rank = _require_group(group)
         num_local = experts_per_rank(num_experts, world)
         kw = dict(dtype=dtype, device=device)
@@ -300,11 +301,11 @@ class ExpertParallelMoE(nn.Module):
             dist.broadcast(self.router.weight, src=src, group=self.group)
 
     @classmethod
-    def from_moe(cls, moe: reference.MoEFeedForward, *, impl: str | None = None, group=None) -> "ExpertParallelMoE":
+    def from_moe(cls, moe: MoEFeedForward, *, impl: str | None = None, group=None) -> "ExpertParallelMoE":
         """This rank's part of a single-process ``MoEFeedForward``: its router and its slice of
         experts (copies). ``moe`` must be the same on every rank (built from the same seed)."""
-        if not isinstance(moe, reference.MoEFeedForward):
-            raise TypeError(f"moe must be an llmu.moe.reference.MoEFeedForward, got {type(moe).__name__}")
+        if not isinstance(moe, MoEFeedForward):
+            raise TypeError(f"moe must be an llmu.moe.layer.MoEFeedForward, got {type(moe).__name__}")
         if moe.capacity_factor is not None:
             raise ValueError(f"moe.capacity_factor must be None: the expert-parallel layer drops nothing, "
                              f"got capacity_factor={moe.capacity_factor!r}")
@@ -363,7 +364,7 @@ def demo(rank: int, world_size: int, tokens_per_rank: int = 32, hidden: int = 64
     ``d_router`` (after the all-reduce), ``lb_loss`` and ``z_loss``.
     """
     torch.manual_seed(seed)
-    moe = reference.MoEFeedForward(hidden, intermediate, num_experts, k, impl="torch")
+    moe = MoEFeedForward(hidden, intermediate, num_experts, k, impl="torch")
     x_all = torch.randn(world_size * tokens_per_rank, hidden, generator=torch.Generator().manual_seed(seed + 1))
     dy_all = torch.randn(x_all.shape, generator=torch.Generator().manual_seed(seed + 2))
     mine = slice(rank * tokens_per_rank, (rank + 1) * tokens_per_rank)

@@ -2,7 +2,7 @@
 
 What module 12 trains: a byte-level decoder (the vocabulary is the 256 byte values, so no
 tokenizer is involved) with a few pre-norm blocks whose feed-forward is an
-:class:`~llmu.moe.reference.MoEFeedForward`::
+:class:`~llmu.moe.layer.MoEFeedForward`::
 
     x = embed[bytes]                                        (B, T, d)
     for each block:
@@ -47,7 +47,8 @@ import torch.nn.functional as F
 
 from llmu.checks import require_positive
 from llmu.layers.reference import apply_rope, rms_norm, rope_angles
-from llmu.moe.reference import MoEFeedForward, load_balancing_loss
+from llmu.moe.layer import MoEFeedForward
+from llmu.moe.reference import load_balancing_loss
 
 __all__ = ["TinyMoEConfig", "TinyMoELM", "TrainResult", "train", "load_stats"]
 

@@ -21,8 +21,7 @@ from llmu.scale.flops import (LLAMA3_8B, LLAMA3_70B, as_shape, attention_share, 
                               kaplan_attention_flops, matmul_parameters, train_flops_per_token, train_step_flops,
                               training_flops)
 # The function mfu stays in its module (llmu.scale.mfu.mfu): at package level the name is the module.
-from llmu.scale.mfu import (PUBLISHED_MFU, TRAIN_SIZES, PublishedMFU, TrainRun, byte_llama_config,
-                            mfu_from_steps, train_run, train_step)
+from llmu.scale.mfu import PUBLISHED_MFU, TRAIN_SIZES, PublishedMFU, TrainRun, mfu_from_steps, train_run, train_step
 from llmu.scale.serving import (cost_per_million_tokens, decode_step_seconds, decode_tokens_per_s,
                                 kv_bytes_per_token, prefill_tokens_per_s, weight_bytes)
 
@@ -31,7 +30,7 @@ __all__ = [
     "attention_share", "kaplan_attention_flops", "as_shape", "LLAMA3_8B", "LLAMA3_70B",
     "LossFit", "HOFFMANN_2022", "TOKENS_PER_PARAMETER", "rule_of_thumb", "compute_optimal", "isoflop_losses",
     "TrainedModel", "PUBLISHED_RUNS",
-    "mfu_from_steps", "PublishedMFU", "PUBLISHED_MFU", "byte_llama_config", "TrainRun",
+    "mfu_from_steps", "PublishedMFU", "PUBLISHED_MFU", "TrainRun",
     "train_step", "train_run", "TRAIN_SIZES",
     "cost_per_million_tokens", "kv_bytes_per_token", "weight_bytes", "decode_step_seconds", "decode_tokens_per_s",
     "prefill_tokens_per_s",

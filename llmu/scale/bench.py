@@ -27,8 +27,8 @@ import torch
 from llmu.bench.registry import Entry, Provider, register
 from llmu.checks import require_size
 from llmu.scale.flops import train_step_flops
-from llmu.models import make_trainable
-from llmu.scale.mfu import byte_llama_config, train_step
+from llmu.models import byte_llama_config, make_trainable
+from llmu.scale.mfu import train_step
 
 __all__ = ["TRAIN_STEP", "SIZE_KEYS", "step_config", "step_flops", "step_setup", "step_adamw"]
 
@@ -39,7 +39,7 @@ SIZE_KEYS = ("B", "T", "H", "L")
 
 
 def step_config(size):
-    """The ``LlamaConfig`` of a size (``llmu.scale.mfu.byte_llama_config``), or ValueError/TypeError."""
+    """The ``LlamaConfig`` of a size (``llmu.models.byte_llama_config``), or ValueError/TypeError."""
     _, t, h, layers = require_size(size, SIZE_KEYS)
     if h % 64:
         raise ValueError(f"size['H'] must be a multiple of 64 (heads of 64 channels), got {h}")

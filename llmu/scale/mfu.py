@@ -44,8 +44,8 @@ from llmu.models.llama import LlamaModel
 from llmu.scale.flops import train_step_flops
 from llmu.training.loop import TokenWindows
 
-__all__ = ["mfu", "mfu_from_steps", "PublishedMFU", "PUBLISHED_MFU", "byte_llama_config",
-           "TrainRun", "train_step", "train_run", "TRAIN_SIZES"]
+__all__ = ["mfu", "mfu_from_steps", "PublishedMFU", "PUBLISHED_MFU", "TrainRun", "train_step", "train_run",
+           "TRAIN_SIZES"]
 
 
 def mfu(achieved_flops_per_s: float, peak_flops_per_s: float) -> float:
@@ -101,24 +101,10 @@ PUBLISHED_MFU = [
 # A short training run on this machine
 # ----------------------------------------------------------------------------------------------
 
-#: Sizes of the byte-level model the benchmark entry and the notebook train: hidden width H,
-#: layers L (heads of 64 dims, SwiGLU width 8H/3 rounded to a multiple of 64).
+#: Sizes of the byte-level model (``llmu.models.byte_llama_config``) the benchmark entry and the
+#: notebook train: hidden width H, layers L (heads of 64 dims, SwiGLU width 8H/3 rounded to a
+#: multiple of 64).
 TRAIN_SIZES = {"tiny": {"H": 128, "L": 2}, "small": {"H": 256, "L": 4}, "medium": {"H": 384, "L": 6}}
-
-
-def byte_llama_config(hidden: int, layers: int, max_len: int = 1024, head_dim: int = 64) -> LlamaConfig:
-    """A Llama-architecture decoder over the 256 byte values, ``hidden`` wide and ``layers`` deep
-    (multi-head attention with ``head_dim`` channels per head, SwiGLU ``≈ 8·hidden/3`` wide, untied head)."""
-    require_positive("hidden", hidden, integer=True)
-    require_positive("layers", layers, integer=True)
-    if hidden % head_dim:
-        raise ValueError(f"hidden ({hidden}) must be a multiple of head_dim ({head_dim})")
-    heads = hidden // head_dim
-    ffn = -(-8 * hidden // 3 // 64) * 64
-    return LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
-                       num_attention_heads=heads, num_key_value_heads=heads, head_dim=head_dim,
-                       max_position_embeddings=max_len, tie_word_embeddings=False, bos_token_id=None,
-                       eos_token_id=None, pad_token_id=None, name=f"byte-llama-{hidden}x{layers}")
 
 
 @dataclass

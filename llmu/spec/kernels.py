@@ -182,15 +182,16 @@ def _accept_reject_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def _check(p, q, draft, *uniforms) -> tuple[int, int, int]:
+def _check(p, q, draft, *uniforms, check_values: bool = True) -> tuple[int, int, int]:
     """Types, dtypes and the kernel device first (so that a tensor on another device is refused
-    before anything reads it), then the reference's checks; returns ``(B, γ, V)``. ``uniforms``:
-    ``(u, r)``, or nothing when they are still to be drawn."""
+    before anything reads it), then the reference's checks, values included unless
+    ``check_values`` is False; returns ``(B, γ, V)``. ``uniforms``: ``(u, r)``, or nothing when
+    they are still to be drawn."""
     named = [("p", p, FLOAT_DTYPES), ("q", q, FLOAT_DTYPES), ("draft", draft, ID_DTYPES)]
     named += [(name, t, (torch.float32,)) for name, t in zip(("u", "r"), uniforms)]
     for name, t, dtypes in named:
         require_tensor(name, t, dtypes=dtypes)
-    return reference.check_inputs(p, q, draft, *uniforms)
+    return reference.check_inputs(p, q, draft, *uniforms, check_values=check_values)
 
 
 def choose_block_v(vocab_size: int) -> int:
@@ -200,16 +201,19 @@ def choose_block_v(vocab_size: int) -> int:
 
 
 def accept_reject(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, u: torch.Tensor, r: torch.Tensor,
-                  *, block_v: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  *, block_v: int | None = None, check_values: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """One verification step for a batch, fused: ``(accepted (B,) int64, next_token (B,) int64)``.
 
     The arguments and the result are those of ``llmu.spec.reference.accept_reject``: ``p``
     ``(B, γ + 1, V)`` and ``q`` ``(B, γ, V)`` float32/float16/bfloat16 probabilities (not
     necessarily normalised), ``draft`` ``(B, γ)`` int32/int64 ids in ``[0, V)``, ``u`` ``(B, γ)``
     and ``r`` ``(B,)`` float32 uniforms, all on the kernel device; any strides. ``block_v``: the
-    tile along ``V`` (a power of two; default :func:`choose_block_v`), a knob for tests.
+    tile along ``V`` (a power of two; default :func:`choose_block_v`), a knob for tests. The
+    values are checked as ``reference.check_inputs`` checks them (ids in range, uniforms in
+    ``[0, 1)``, no negative or NaN probability), one wait for the GPU per call; ``check_values=False``
+    skips that, for a caller whose values are right by construction.
     """
-    b, gamma, v = _check(p, q, draft, u, r)
+    b, gamma, v = _check(p, q, draft, u, r, check_values=check_values)
     block_v = choose_block_v(v) if block_v is None else require_power_of_two("block_v", block_v)
     accepted = torch.empty(b, dtype=torch.int64, device=p.device)
     next_token = torch.empty(b, dtype=torch.int64, device=p.device)
@@ -229,7 +233,7 @@ def speculative_sample(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
     """:func:`accept_reject` with ``u`` and ``r`` drawn from ``generator`` (on ``p``'s device), in
     the order ``reference.speculative_sample`` draws them: the same generator state gives the same
     numbers, hence (up to the rounding ties above) the same tokens."""
-    b, gamma, _ = _check(p, q, draft)
+    b, gamma, _ = _check(p, q, draft, check_values=False)  # accept_reject checks the values
     u = torch.rand(b, gamma, generator=generator, device=p.device, dtype=torch.float32)
     r = torch.rand(b, generator=generator, device=p.device, dtype=torch.float32)
     return accept_reject(p, q, draft, u, r)

@@ -40,13 +40,31 @@ from __future__ import annotations
 
 import torch
 
+from llmu.checks import require_values
+
 __all__ = ["accept_reject", "speculative_sample", "greedy_accept", "inverse_cdf", "one_hot_draft",
            "check_inputs"]
 
 
 def check_inputs(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, u: torch.Tensor | None = None,
-                 r: torch.Tensor | None = None) -> tuple[int, int, int]:
-    """Validate the shapes and dtypes of :func:`accept_reject`'s inputs; return ``(B, γ, V)``."""
+                 r: torch.Tensor | None = None, *, check_values: bool = True) -> tuple[int, int, int]:
+    """Validate :func:`accept_reject`'s inputs; return ``(B, γ, V)``.
+
+    Shapes, dtypes and devices first; then, with ``check_values``, what the values must be, read
+    back to the host in one go (one wait for a GPU, whatever the number of checks):
+
+    - ``draft`` ids in ``[0, V)``;
+    - ``u`` and ``r`` in ``[0, 1)`` (uniforms: ``u >= 1`` would reject a token the rule accepts);
+    - ``p`` and ``q`` probabilities: no negative, NaN or infinite entry (the usual mistake:
+      logits passed instead of their softmax).
+
+    Rows are *not* required to sum to 1: the step draws by inverse CDF, which normalises the
+    weights itself, and a float16/bfloat16 row sums to 1 only within a tolerance that grows with
+    ``V``, so any bound would be arbitrary. Checking values means one pass over ``p`` and ``q``,
+    the size of the softmax that made them and small beside the target's forward pass;
+    ``check_values=False`` skips it for a caller whose values are right by construction (the
+    benchmark, which times the step alone).
+    """
     for name, t in (("p", p), ("q", q)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.ndim != 3:
             raise ValueError(f"{name} must be a 3-D float tensor of probabilities, got "
@@ -61,8 +79,6 @@ def check_inputs(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, u: torch
     if not isinstance(draft, torch.Tensor) or draft.is_floating_point() or draft.shape != (b, gamma):
         raise ValueError(f"draft must be (B, gamma) = {(b, gamma)} integer token ids, got "
                          f"{getattr(draft, 'shape', type(draft).__name__)}")
-    if draft.numel() and (int(draft.min()) < 0 or int(draft.max()) >= v):
-        raise ValueError(f"draft token ids must be in [0, V) = [0, {v})")
     for name, t, shape in (("u", u, (b, gamma)), ("r", r, (b,))):
         if t is not None and (not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.shape != shape):
             raise ValueError(f"{name} must be {shape} uniforms in [0, 1), got "
@@ -71,6 +87,20 @@ def check_inputs(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, u: torch
                                                                   if t is not None):
         if t.device != p.device:
             raise ValueError(f"{name} is on {t.device} but p is on {p.device}; they must match")
+    if not isinstance(check_values, bool):
+        raise TypeError(f"check_values must be a bool, got {check_values!r}")
+    if check_values:
+        checks = [(((draft < 0) | (draft >= v)).any(), f"draft token ids must be in [0, V) = [0, {v})")]
+        for name, t in (("u", u), ("r", r)):
+            if t is not None:  # ~(in range) is also true for NaN
+                checks.append(((~((t >= 0) & (t < 1))).any(), f"{name} must hold uniforms in [0, 1)"))
+        for name, t in (("p", p), ("q", q)):
+            if t.numel():
+                lo, hi = torch.aminmax(t)
+                checks.append((~(lo >= 0) | ~hi.isfinite(),
+                               f"{name} must hold probabilities: no negative, NaN or infinite entry "
+                               "(softmax the logits first)"))
+        require_values(*checks)
     return b, gamma, v
 
 
@@ -88,7 +118,7 @@ def inverse_cdf(weights: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 
 
 def accept_reject(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, u: torch.Tensor,
-                  r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  r: torch.Tensor, *, check_values: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """One verification step for a batch: ``(accepted (B,) int64, next_token (B,) int64)``.
 
     ``p`` ``(B, γ + 1, V)``: the target's probabilities at the ``γ`` proposed positions and one more;
@@ -96,10 +126,11 @@ def accept_reject(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, u: torc
     the proposed tokens; ``u`` ``(B, γ)`` and ``r`` ``(B,)`` uniforms (see the module docstring).
     Sequence ``b`` keeps ``draft[b, :accepted[b]]`` and then ``next_token[b]``: drawn from the
     residual at the first rejected position, or from ``p[b, γ]`` when all ``γ`` were accepted.
+    Every argument is checked (:func:`check_inputs`; ``check_values=False`` skips the checks of values).
     """
     if u is None or r is None:
         raise ValueError("u (B, gamma) and r (B,) uniforms are required: speculative_sample draws them")
-    b, gamma, v = check_inputs(p, q, draft, u, r)
+    b, gamma, v = check_inputs(p, q, draft, u, r, check_values=check_values)
     idx = draft.long()[..., None]
     p_x = p[:, :gamma].gather(-1, idx)[..., 0].float()
     q_x = q.gather(-1, idx)[..., 0].float()
@@ -120,7 +151,7 @@ def accept_reject(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, u: torc
 def speculative_sample(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
                        generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`accept_reject` with ``u`` and ``r`` drawn from ``generator`` (on ``p``'s device)."""
-    b, gamma, _ = check_inputs(p, q, draft)
+    b, gamma, _ = check_inputs(p, q, draft, check_values=False)  # accept_reject checks the values
     u = torch.rand(b, gamma, generator=generator, device=p.device)
     r = torch.rand(b, generator=generator, device=p.device)
     return accept_reject(p, q, draft, u, r)

@@ -43,11 +43,10 @@ thread count: a different number of threads may sum in a different order). Leave
 out and the run still "works", only differently: the data sampler restarts at the first batch,
 or Adam restarts with ``m = v = 0`` and takes a large first step.
 
-A small model to train: ``llmu.scale.mfu`` builds a byte-level Llama (``byte_llama_config``) and
+A small model to train: ``llmu.models`` describes a byte-level Llama (``byte_llama_config``) and
 gives an ``llmu.models.LlamaModel`` fresh trainable weights (``make_trainable``):
 
->>> from llmu.models import make_trainable
->>> from llmu.scale.mfu import byte_llama_config
+>>> from llmu.models import byte_llama_config, make_trainable
 >>> model = make_trainable(byte_llama_config(hidden=128, layers=2), seed=0)
 >>> trainer = Trainer(model, TokenWindows.from_text("essays", seq_len=64), TrainConfig(total_steps=40))
 >>> logs = trainer.train(40)    # the loss falls from ln 256 = 5.5 to about 2.6 (2 s on one CPU thread)

@@ -5,7 +5,7 @@ functions for many more steps and ships what they log in ``llmu/data/training_ru
 notebook can draw the long curves beside its short live ones. Every function here is seeded and
 returns plain numbers (lists of dicts), which is what the JSON file holds.
 
-- :func:`pretrain_small`: a small byte-level Llama (``llmu.scale.mfu.byte_llama_config``, fresh
+- :func:`pretrain_small`: a small byte-level Llama (``llmu.models.byte_llama_config``, fresh
   weights from ``llmu.models.make_trainable``) learns to predict the next byte of the repository's
   essays with :class:`llmu.training.loop.Trainer`. The last ``heldout`` share of the text is never
   trained on: its loss, measured every ``eval_every`` steps, shows whether the model learns the
@@ -91,8 +91,7 @@ def pretrain_small(steps: int, *, hidden: int = 128, layers: int = 2, seq_len: i
     ``train`` (per step: loss, lr, grad_norm, seconds), ``heldout`` (step, loss) and ``seconds``.
     """
     from llmu.data import byte_tokens, text as shipped_text
-    from llmu.models import make_trainable
-    from llmu.scale.mfu import byte_llama_config
+    from llmu.models import byte_llama_config, make_trainable
 
     steps = _steps("steps", steps)
     schedule_steps = steps if schedule_steps is None else _steps("schedule_steps", schedule_steps)

@@ -2,13 +2,18 @@
 
 ``lab``: one JupyterLab server per test process (pytest-xdist runs one per worker), on a free port
 of 127.0.0.1, serving a temporary copy of the repository's ``solutions/`` folder, so that nothing a
-notebook writes lands in the repository. Its configuration, runtime, settings and workspace
-folders are temporary too, and three user settings make the page predictable:
+notebook writes lands in the repository. It is started with the command line ``llmu lab`` runs
+(:func:`llmu.cli.lab_command`), plus the options a test needs (port, token, no browser). Its
+configuration, runtime, settings and workspace folders are temporary too, and three user settings
+make the page predictable:
 
 * ``windowingMode: none``: JupyterLab 4 otherwise renders only the cells near the viewport, and a
   widget that was never attached looks the same as one that failed;
 * no news toast (it would cover the bottom of every screenshot);
 * no autosave (the test closes notebooks without saving).
+
+``checkout_lab``: the same, started in a temporary copy of a checkout (``llmu/`` and one released
+notebook), as ``llmu lab`` starts it: for the notebooks' links to llmu's code.
 
 ``browser``: Debian's Chromium (``apt-get install chromium``; ``make chromium`` does it), driven
 headless by Playwright. Playwright's own browser download is never used. Without Chromium or
@@ -26,7 +31,6 @@ import secrets
 import shutil
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -103,6 +107,9 @@ def _wait_until_up(server: LabServer) -> bool:
 
 
 def _start_lab(home: Path, root: Path) -> LabServer:
+    """JupyterLab as ``llmu lab`` starts it for a course root ``root`` (it serves ``root``)."""
+    from llmu.cli import lab_command
+
     env = dict(os.environ)
     for name, folder in [("JUPYTER_CONFIG_DIR", "config"), ("JUPYTER_RUNTIME_DIR", "runtime"),
                          ("IPYTHONDIR", "ipython"), ("JUPYTERLAB_SETTINGS_DIR", "settings"),
@@ -120,12 +127,9 @@ def _start_lab(home: Path, root: Path) -> LabServer:
     # A free port can be taken between the check and the server's bind: try a few.
     for _attempt in range(3):
         port = _free_port()
-        command = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-                   "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-                   f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True",
-                   "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
-        if hasattr(os, "geteuid") and os.geteuid() == 0:
-            command.append("--allow-root")  # JupyterLab refuses to start as root without it
+        command = lab_command(["--no-browser", "--ip=127.0.0.1", f"--port={port}", "--ServerApp.port_retries=0",
+                               f"--IdentityProvider.token={token}", "--LabApp.expose_app_in_browser=True",
+                               "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"], root=root)
         with open(log, "ab") as out:
             process = subprocess.Popen(command, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT)
         server = LabServer(root=root, port=port, token=token, process=process, log=log)
@@ -151,6 +155,26 @@ def lab(tmp_path_factory) -> LabServer:
     home = tmp_path_factory.mktemp("jupyterlab")
     root = home / "notebooks"
     shutil.copytree(course.solutions_dir(), root, ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
+    server = _start_lab(home, root)
+    yield server
+    _stop(server.process)
+
+
+#: The released notebook the checkout's lab (``checkout_lab``) holds.
+CHECKOUT_NOTEBOOK = "06_kv_cache"
+
+
+@pytest.fixture(scope="session")
+def checkout_lab(tmp_path_factory) -> LabServer:
+    """JupyterLab as ``llmu lab`` starts it in a checkout: its root is the checkout, it opens at
+    ``course/``. The checkout is a temporary copy holding ``llmu/`` and one released notebook,
+    ``course/06_kv_cache/`` (opening a notebook starts a kernel, which must not write into the
+    repository)."""
+    home = tmp_path_factory.mktemp("jupyterlab-checkout")
+    root = home / "checkout"
+    ignore = shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__", "*.pyc")
+    shutil.copytree(course.repo_root() / "llmu", root / "llmu", ignore=ignore)
+    shutil.copytree(course.course_dir() / CHECKOUT_NOTEBOOK, course.course_dir(root) / CHECKOUT_NOTEBOOK, ignore=ignore)
     server = _start_lab(home, root)
     yield server
     _stop(server.process)

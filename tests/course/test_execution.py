@@ -39,9 +39,17 @@ CEILING_S = float(os.environ.get("LLMU_NOTEBOOK_CEILING_S", 600))
 BUDGET_RSS_MB = 2048
 ARTIFACTS = ROOT / "test-artifacts" / "notebooks"
 
+# The kernel's own peak resident memory. On Linux that is VmHWM, the high-water mark of the kernel's
+# address space, which starts at zero when the kernel process is exec'd. getrusage's ru_maxrss is not:
+# Linux carries it over from the process that started the kernel (the test worker, which may hold
+# several models), so every notebook would report the worker's size. Elsewhere, ru_maxrss.
 _PROBE = (
-    "import resource as _r, sys as _s\n"
-    "print('LLMU_PEAK_RSS_MB', _r.getrusage(_r.RUSAGE_SELF).ru_maxrss / (1024 * 1024 if _s.platform == 'darwin' else 1024))"
+    "import re as _re, resource as _r, sys as _s\n"
+    "try:\n"
+    "    _peak = int(_re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1)) / 1024\n"
+    "except (OSError, AttributeError):\n"
+    "    _peak = _r.getrusage(_r.RUSAGE_SELF).ru_maxrss / (1024 * 1024 if _s.platform == 'darwin' else 1024)\n"
+    "print('LLMU_PEAK_RSS_MB', _peak)"
 )
 
 

@@ -67,7 +67,7 @@ def test_readme_workflow_with_the_nbgrader_cli(tmp_path):
 
     p = _nbgrader(ag, "generate_feedback", AID)
     assert p.returncode == 0, p.stderr[-3000:]
-    html = (ag / "feedback" / "ada" / AID / f"{AID}.html").read_text()
+    html = (ag / "feedback_html" / "ada" / AID / f"{AID}.html").read_text()
     assert "reciprocal(0) raises" in html
     assert "secret-line" not in html and "HIDDEN TESTS" not in html, "hidden tests leak into the feedback"
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import os
 import shutil
 from pathlib import Path
 
@@ -82,8 +81,32 @@ def test_find_solution_by_file_name(fixture_root, tmp_path):
     want = fixture_root / "solutions" / AID / f"{AID}.ipynb"
     assert selfgrade.find_solution(fixture_root / "course" / AID / f"{AID}.ipynb", fixture_root) == want
     assert selfgrade.find_solution(tmp_path / "Downloads" / f"ada_{AID} (1).ipynb", fixture_root) == want
-    with pytest.raises(selfgrade.SelfGradeError, match=r"'my_notes.ipynb'.*99_fixture.ipynb"):
+    # JupyterLab's Duplicate, a second download, Colab's copy, and all of them at once.
+    for copy_name in (f"{AID}-Copy1.ipynb", f"{AID} (1).ipynb", f"Copy of {AID}.ipynb", f"{AID}-Copy2 (3).ipynb"):
+        assert selfgrade.find_solution(fixture_root / "course" / AID / copy_name, fixture_root) == want, copy_name
+    with pytest.raises(selfgrade.SelfGradeError, match=r"(?s)'my_notes.ipynb'.*99_fixture.ipynb"):
         selfgrade.find_solution("my_notes.ipynb", fixture_root)
+
+
+def test_a_notebook_that_matches_nothing_is_told_about_solution(fixture_root):
+    """A new notebook (Untitled) matches no instructor notebook: the error lists the known ones and
+    says how to grade against one, naming the assignment of the folder it is in."""
+    untitled = fixture_root / "course" / AID / "Untitled.ipynb"
+    with pytest.raises(selfgrade.SelfGradeError) as info:
+        selfgrade.find_solution(untitled, fixture_root)
+    message = str(info.value)
+    assert "known: 99_fixture.ipynb" in message
+    assert f"--solution {fixture_root / 'solutions' / AID / f'{AID}.ipynb'}" in message, message
+
+
+@pytest.mark.parametrize(("name", "stem"), [
+    ("00_welcome.ipynb", "00_welcome"), ("00_welcome-Copy1.ipynb", "00_welcome"),
+    ("00_welcome-Copy12.ipynb", "00_welcome"), ("00_welcome (2).ipynb", "00_welcome"),
+    ("Copy of 00_welcome.ipynb", "00_welcome"), ("00_welcome-Copy1 (1).ipynb", "00_welcome"),
+    ("Untitled.ipynb", "Untitled"), ("(1).ipynb", "(1)"), ("my-Copywriting.ipynb", "my-Copywriting"),
+])
+def test_original_stem_strips_what_copying_adds(name, stem):
+    assert selfgrade.original_stem(name) == stem
 
 
 def test_bad_arguments_are_named(fixture_root, tmp_path):
@@ -141,11 +164,45 @@ def test_format_report_lists_each_exercise_and_the_total():
                                        selfgrade.CellOutcome("t2", 3, 0, selfgrade.FAILED, "x + y: wrong sum")]),
         selfgrade.ExerciseResult("2 · Softmax", [selfgrade.CellOutcome("t3", 5, 0, selfgrade.TIMED_OUT, "ran longer")]),
     ])
-    lines = selfgrade.format_report(report).splitlines()
+    lines = selfgrade.format_report(report, width=100).splitlines()
     assert lines[0].split() == ["exercise", "points", "status"]
-    assert "2 / 5" in lines[1] and lines[1].endswith("failed: x + y: wrong sum")
-    assert "0 / 5" in lines[2] and "timed out: ran longer" in lines[2]
-    assert lines[3].split() == ["total", "2", "/", "10"]
+    assert "2 / 5" in lines[1] and lines[1].endswith("failed")
+    assert lines[2] == "    x + y: wrong sum"  # the message, under its exercise
+    assert "0 / 5" in lines[3] and lines[3].endswith("timed out") and lines[4] == "    ran longer"
+    assert lines[5].split() == ["total", "2", "/", "10"]
+
+
+def test_format_report_wraps_each_whole_message_under_its_exercise():
+    """A check's message keeps all its lines (the "Look at:" hint too), wrapped to the width,
+    indented under the exercise; the same message from two cells is shown once."""
+    message = ("attention weights of the masked row: 3 value(s) differ, the largest by 0.42 at index "
+               "(0, 2, 5) (rtol 1e-05, atol 1e-06)\n  Look at: add the causal mask before the softmax, "
+               "not after it")
+    report = selfgrade.SelfGradeReport(Path("nb.ipynb"), Path("sol.ipynb"), [
+        selfgrade.ExerciseResult("3 · Causal attention", [
+            selfgrade.CellOutcome("t1", 2, 0, selfgrade.FAILED, message),
+            selfgrade.CellOutcome("t2", 3, 0, selfgrade.FAILED, message)]),
+    ])
+    lines = selfgrade.format_report(report, width=48).splitlines()
+    body = lines[2:-1]  # between the exercise's row and the total
+    assert lines[1].startswith("3 · Causal attention") and lines[1].endswith("failed")
+    assert all(len(ln) <= 48 and ln.startswith("    ") for ln in body), body
+    assert " ".join(" ".join(body).split()) == " ".join(message.split()), "the message is shown once, in full"
+    look_at = next(i for i, ln in enumerate(body) if "Look at:" in ln)
+    assert body[look_at].startswith("      Look at:"), "the message's own indent is kept"
+    assert len(body) > len(message.splitlines()), "long lines are wrapped"
+
+
+def test_a_failed_cell_keeps_its_whole_message():
+    evalue = "\x1b[31mdouble(x) equals x + x: 4 value(s) differ\x1b[0m\n  Look at: multiply by 2\n"
+    assert selfgrade._error_message({"ename": "CheckFailed", "evalue": evalue}) == \
+        "double(x) equals x + x: 4 value(s) differ\n  Look at: multiply by 2"
+    assert selfgrade._error_message({"ename": "ValueError", "evalue": "bad\nshape"}) == "ValueError: bad\nshape"
+    assert selfgrade._error_message({"ename": "NotImplementedError", "evalue": ""}) == \
+        "not answered yet (NotImplementedError)"
+    long = "\n".join(f"row {i}" for i in range(selfgrade.MESSAGE_LINES + 5))
+    shown = selfgrade._error_message({"ename": "AssertionError", "evalue": long}).splitlines()
+    assert len(shown) == selfgrade.MESSAGE_LINES + 1 and shown[-1] == "... (5 more lines)"
 
 
 def test_benchmarks_skip_themselves_while_autograding(monkeypatch):
@@ -189,6 +246,39 @@ def test_hidden_tests_count_and_stay_hidden(fixture_root, tmp_path):
     status = report.exercises[1].status
     assert status.startswith("failed: ") and "reciprocal(0) raises" in status, status
     assert "secret-line" not in selfgrade.format_report(report)
+
+
+@pytest.mark.notebooks
+def test_llmu_grade_of_a_copy_prints_each_failed_check_in_full(fixture_root, tmp_path, monkeypatch, capsys):
+    """What a learner does: Duplicate the notebook in JupyterLab (``99_fixture-Copy1.ipynb``),
+    answer, run ``llmu grade`` on the copy. The hidden check's whole message, its "Look at:"
+    hint included, is printed under the exercise, wrapped to the terminal's width."""
+    from llmu import cli
+
+    nb = _with_answers(_stub(fixture_root), _solution(fixture_root),
+                       reciprocal="def reciprocal(a):\n    return 1.0 / a")
+    path = fixture_root / "course" / AID / f"{AID}-Copy1.ipynb"
+    nbformat.write(nb, str(path))
+    before = _fingerprint(path)
+    monkeypatch.setenv("LLMU_COURSE_ROOT", str(fixture_root))
+    monkeypatch.setenv("COLUMNS", "44")  # a narrow terminal: the message must wrap
+    try:
+        assert cli.main(["grade", str(path), "--timeout", str(FAST_TIMEOUT)]) == 0
+    finally:
+        assert _fingerprint(path) == before
+        path.unlink()
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    row = next(i for i, ln in enumerate(lines) if ln.startswith("2 · a safe reciprocal"))
+    total = next(i for i, ln in enumerate(lines) if ln.startswith("total"))
+    assert lines[row].endswith("failed") and lines[total].split()[1:] == ["2", "/", "5"], out
+    message = lines[row + 1:total]
+    want = ("reciprocal(0) raises: raised ZeroDivisionError(float division by zero) instead of ValueError "
+            "Look at: test a == 0")
+    assert " ".join(" ".join(message).split()) == want, out
+    assert all(len(ln) <= 44 and ln.startswith("    ") for ln in message), out
+    assert any(ln.startswith("      Look at: test a == 0") for ln in message), out
+    assert "secret-line" not in out
 
 
 @pytest.mark.notebooks

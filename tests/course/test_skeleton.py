@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import tomllib
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -53,6 +54,30 @@ def test_readme_links_every_notebook_to_colab():
     missing = [p.parent.name for p in SOURCES if course.colab_url(p.parent.name) not in readme]
     assert not missing, f"README.md has no Colab link for {missing}"
     assert course.binder_url() in readme
+
+
+RELEASED = sorted(course.course_dir(ROOT).glob("*/*.ipynb"))
+
+
+@pytest.mark.parametrize("path", RELEASED, ids=[p.parent.name for p in RELEASED])
+def test_every_code_link_of_a_released_notebook_opens_its_file(path):
+    """Each link of the last cell, followed from the notebook's folder as JupyterLab follows it
+    (``llmu lab`` and Binder serve the checkout), reaches a file of llmu/; its text is that path
+    in backticks (so ``__init__.py`` shows as it is) and its GitHub twin shows the same path."""
+    import os
+
+    from llmu.course.links import CODE_LINK
+
+    source = nbformat.read(str(path), as_version=4).cells[-1].source
+    pairs = list(CODE_LINK.finditer(source))
+    assert pairs, f"{path.parent.name}: no code links"
+    assert 2 * len(pairs) == len(re.findall(r"\]\(", source)), "a link without its twin"
+    for m in pairs:
+        target = Path(os.path.normpath(path.parent / m["relative"]))
+        assert target.is_file(), f"{m['relative']} does not open a file from {path.parent}"
+        relative = target.relative_to(ROOT).as_posix()
+        assert relative.startswith("llmu/") and m["shown"] == relative, (m["shown"], relative)
+        assert m["github"] == f"{course.REPOSITORY_URL}/blob/{course.PUBLISHED_BRANCH}/{relative}"
 
 
 def test_links_point_at_the_released_notebooks():
@@ -115,6 +140,23 @@ def _link(nb):
     _cell(nb, "code_links").source += "\n- [gone](../../llmu/no_such_file.py)"
 
 
+def _lone_link(nb):
+    """A link in the old form: relative only, and the path's underscores read as markdown."""
+    cell = _cell(nb, "code_links")
+    cell.source = re.sub(r"\[`(llmu/[^`]+)`\]\(([^)]+)\) \(\[GitHub\]\([^)]+\)\)", r"[\1](\2)", cell.source, count=1)
+
+
+def _github_elsewhere(nb):
+    cell = _cell(nb, "code_links")
+    cell.source = re.sub(r"(\[GitHub\]\(https://[^)]+/blob/main/)llmu/[^)]+\)", r"\1llmu/runtime.py)", cell.source,
+                         count=1)
+
+
+def _shown_elsewhere(nb):
+    cell = _cell(nb, "code_links")
+    cell.source = re.sub(r"\[`llmu/[^`]+`\]", "[`llmu/runtime.py`]", cell.source, count=1)
+
+
 def _order(nb):
     nb.cells[-1], nb.cells[-2] = nb.cells[-2], nb.cells[-1]
 
@@ -130,9 +172,13 @@ def _answers(nb):
     (_goals, "Learning goals"),
     (_colab, "cell 0 ('colab') differs"),
     (_link, "no_such_file.py"),
+    (_lone_link, "on its own"),
+    (_github_elsewhere, "the GitHub link of"),
+    (_shown_elsewhere, "shows `llmu/runtime.py`"),
     (_order, "the last cells must be"),
     (_answers, "<details>"),
-], ids=["points", "numbering", "goals", "colab", "link", "order", "answers"])
+], ids=["points", "numbering", "goals", "colab", "link", "lone-link", "github-elsewhere", "shown-elsewhere",
+        "order", "answers"])
 def test_checker_reports(problems_of, edit, expected):
     problems = problems_of(edit)
     assert any(expected in p for p in problems), problems

@@ -15,6 +15,7 @@ def test_serving_entry_is_registered():
     assert entry.cpu_sizes[0]["requests"] == 32, "the issue's CPU target is stated for 32 requests"
 
 
+@pytest.mark.slow
 def test_every_configuration_computes_the_same_tokens(smollm2):
     model, _ = smollm2
     res = bench.measure_serving(model, requests=4, new=4, new_min=2, prompt_min=8, prompt_max=20, batch=2,
@@ -41,6 +42,7 @@ def test_workload_is_deterministic_and_checked():
         bench.serving_workload(1000, 5, 10, 9)
 
 
+@pytest.mark.slow
 def test_transformers_row_is_the_baseline(smollm2):
     pytest.importorskip("transformers")
     model, _ = smollm2

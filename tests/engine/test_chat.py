@@ -7,10 +7,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from llmu.engine import LLMEngine, SamplingParams
 from llmu.engine.chat import chat
 
 
+@pytest.mark.slow
 def test_chat_streams_replies_and_keeps_the_conversation(smollm2):
     model, tok = smollm2
     engine = LLMEngine(model, tok, num_blocks=64, max_num_seqs=1)
@@ -26,6 +29,7 @@ def test_chat_streams_replies_and_keeps_the_conversation(smollm2):
     assert "(0 from the prefix cache)" in lines[0] and "(0 from the prefix cache)" not in lines[1]
 
 
+@pytest.mark.slow
 def test_chat_reports_a_conversation_that_outgrows_the_context(smollm2):
     model, tok = smollm2
     engine = LLMEngine(model, tok, num_blocks=64, max_num_seqs=1, max_model_len=80)
@@ -49,6 +53,7 @@ def test_llmu_chat_rejects_bad_options():
     assert proc.returncode == 2 and "temperature" in proc.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_reply_not_the_chat(smollm2):
     model, tok = smollm2
     engine = LLMEngine(model, tok, num_blocks=64, max_num_seqs=1)

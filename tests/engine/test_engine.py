@@ -227,6 +227,7 @@ def test_abort_finishes_with_a_reason(tiny):
 CHATS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea.", "What is 2+2?"]
 
 
+@pytest.mark.slow
 def test_engine_equals_generate_on_smollm2(smollm2):
     model, tok = smollm2
     msgs = [[{"role": "user", "content": q}] for q in CHATS]
@@ -238,6 +239,7 @@ def test_engine_equals_generate_on_smollm2(smollm2):
         assert o.outputs[0].finish_reason == ref.finish_reason
 
 
+@pytest.mark.slow
 def test_stop_strings_and_streaming_on_smollm2(smollm2):
     model, tok = smollm2
     engine = LLMEngine(model, tok, num_blocks=64, max_model_len=512)

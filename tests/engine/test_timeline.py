@@ -196,6 +196,7 @@ def test_record_restores_the_scheduler_and_keeps_the_outputs(tiny):
     assert "schedule" not in vars(engine.scheduler), "restored after an error too"
 
 
+@pytest.mark.slow
 def test_record_on_smollm2_shows_the_shared_system_prompt(smollm2):
     model, tok = smollm2
     chats = [[{"role": "user", "content": q}] for q in ("Hi!", "What is 2 + 2?", "Name a colour.")]

@@ -59,6 +59,7 @@ def test_pool_bad_inputs(args, match):
         R.pool_kv_heads([[1.0]], 1, 1)
 
 
+@pytest.mark.slow
 def test_convert_model_shares_weights_and_leaves_original(smollm2):
     model, _ = smollm2
     ids = torch.tensor([[1, 504, 3300, 314, 260, 1345, 28, 2714]])

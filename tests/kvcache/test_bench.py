@@ -34,6 +34,7 @@ def test_providers_agree_on_the_cpu_size(kdev):
         torch.testing.assert_close(bench.DECODE_ATTENTION.providers[name].fn(*inputs), ref, atol=2e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_measure_decode_small(smollm2):
     model, _ = smollm2
     m = bench.measure_decode(model, 8, cached_steps=1)

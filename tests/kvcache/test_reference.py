@@ -102,6 +102,7 @@ def test_kvcache_class_errors_name_the_problem():
         cache.append(0, torch.randn(1, 3, 1, 8).double(), torch.randn(1, 3, 1, 8).double())
 
 
+@pytest.mark.slow
 def test_cached_and_recomputed_greedy_tokens_are_identical(smollm2):
     model, tok = smollm2
     ids = tok.encode("The capital of France is")

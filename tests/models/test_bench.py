@@ -31,6 +31,7 @@ def test_to_transformers_computes_the_same_function():
         torch.testing.assert_close(model(ids).logits, hf(ids).logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_measure_small(smollm2):
     model, _ = smollm2
     result = models_bench.measure(model, prompt_len=8, new_tokens=3, repeats=1, providers=("llmu",))

@@ -28,6 +28,7 @@ def tiny_model(seed=0, **overrides) -> LlamaModel:
 
 # -- KV cache ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_cache_decode_equals_full_forward(smollm2, ids):
     model, _ = smollm2
     with torch.inference_mode():
@@ -89,6 +90,7 @@ def test_position_must_match_cache():
 
 # -- attention backends -------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_backends_agree_on_real_model(smollm2, ids):
     model, _ = smollm2
     naive = load_model(attention="naive")
@@ -135,6 +137,7 @@ def test_register_backend_is_used():
 
 # -- RoPE layout ----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_rope_layout_choice(smollm2, ids):
     """llmu un-permutes the GGUF Q/K rows and rotates halves. Keeping llama.cpp's rows and rotating
     interleaved pairs is the same model; keeping its rows with halves is a different (wrong) one."""
@@ -164,6 +167,7 @@ def test_unpermute_inverts_permute():
 
 # -- outputs -----------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_hidden_states_and_attentions(smollm2, ids):
     model, _ = smollm2
     with torch.inference_mode():
@@ -179,6 +183,7 @@ def test_hidden_states_and_attentions(smollm2, ids):
     assert model.attention == "sdpa"  # output_attentions borrowed "naive" for one call only
 
 
+@pytest.mark.slow
 def test_last_only(smollm2, ids):
     model, _ = smollm2
     with torch.inference_mode():
@@ -197,6 +202,7 @@ def test_forward_input_checks():
     assert model([1, 2, 3]).logits.shape == (1, 3, 97)  # a list is one sequence
 
 
+@pytest.mark.slow
 def test_tied_embeddings(smollm2):
     model, _ = smollm2
     assert model.lm_head.weight is model.embed_tokens.weight
@@ -230,6 +236,7 @@ def test_linear_checks_shape():
 
 # -- loading --------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_load_model_is_cached(smollm2):
     model, _ = smollm2
     assert load_model() is model
@@ -240,6 +247,7 @@ def test_load_model_is_cached(smollm2):
         load_model(dtype=torch.int8)
 
 
+@pytest.mark.slow
 def test_weights_are_the_q4_1_values(smollm2):
     """The dense weights are exactly the file's dequantized values (Q/K rows reordered)."""
     from llmu.models.gguf_file import GGUFFile
@@ -252,6 +260,7 @@ def test_weights_are_the_q4_1_values(smollm2):
     assert torch.equal(model.layers[3].self_attn.k_proj.weight, unpermute_rope_rows(k, 3))
 
 
+@pytest.mark.slow
 def test_bfloat16_model(smollm2, ids):
     model, _ = smollm2
     bf = load_model(dtype=torch.bfloat16)

@@ -86,6 +86,7 @@ def test_accepts_lists_and_a_batch_of_one():
     assert perplexity(m, torch.tensor([ids]), window=4, stride=2) == pytest.approx(6)
 
 
+@pytest.mark.slow
 def test_real_model_longer_context_helps(smollm2):
     from llmu.data import text
 

@@ -148,6 +148,7 @@ def test_processor_argument_checks():
 
 # -- generation on the real model ---------------------------------------------------------------
 
+@pytest.mark.slow
 def test_chat_answer(smollm2):
     model, tok = smollm2
     out = generate(model, tok, [{"role": "user", "content": "What is the capital of France?"}], 32)
@@ -156,6 +157,7 @@ def test_chat_answer(smollm2):
     assert out.stats.new_tokens == len(out.ids) + 1  # the EOS token was generated, not returned
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_reproducible(smollm2):
     model, tok = smollm2
     kw = dict(temperature=0.9, top_k=50, top_p=0.95, min_p=0.02, repetition_penalty=1.1)
@@ -166,6 +168,7 @@ def test_seeded_sampling_is_reproducible(smollm2):
     assert a.ids != c.ids  # 8 sampled tokens at temperature 0.9: a collision is vanishingly unlikely
 
 
+@pytest.mark.slow
 def test_stop_strings_and_streaming(smollm2):
     model, tok = smollm2
     pieces = []
@@ -178,6 +181,7 @@ def test_stop_strings_and_streaming(smollm2):
     assert len(streamed) > 1
 
 
+@pytest.mark.slow
 def test_length_limit_and_ids_prompt(smollm2):
     model, tok = smollm2
     ids = tok.encode("The capital of France is")
@@ -187,12 +191,14 @@ def test_length_limit_and_ids_prompt(smollm2):
     assert generate(model, tok, torch.tensor([ids]), 5, stop_on_eos=False).ids == out.ids
 
 
+@pytest.mark.slow
 def test_streamed_unicode_is_whole(smollm2):
     model, tok = smollm2
     pieces = list(stream_generate(model, tok, "Le mot japonais pour chat est 猫. Le mot pour chien est", 12))
     assert not any("\ufffd" in p for p in pieces[:-1])
 
 
+@pytest.mark.slow
 def test_generate_bad_arguments(smollm2):
     model, tok = smollm2
     with pytest.raises(ValueError, match="max_new_tokens must be an int >= 0"):

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import llmu  # noqa: F401  (sets the Triton mode before anything imports triton)
 from llmu.distributed import launch
 from llmu.moe import expert_parallel as EP
-from llmu.moe.reference import MoEFeedForward
+from llmu.moe.layer import MoEFeedForward
 
 RTOL = 2e-6
 HIDDEN, FFN = 16, 24

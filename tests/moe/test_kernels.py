@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 import llmu  # noqa: F401
 from llmu.moe import kernels as K
 from llmu.moe import reference as R
+from llmu.moe.layer import MoEFeedForward
 from llmu.runtime import kernel_device
 
 pytestmark = pytest.mark.kernels
@@ -221,7 +222,7 @@ def test_no_tokens():
 
 def test_module_triton_path_matches_torch_path():
     torch.manual_seed(0)
-    moe = R.MoEFeedForward(20, 36, num_experts=4, k=2, capacity_factor=1.0, device=KDEV)
+    moe = MoEFeedForward(20, 36, num_experts=4, k=2, capacity_factor=1.0, device=KDEV)
     x = torch.randn(2, 7, 20, device=KDEV)
     with torch.no_grad():
         y_torch = moe(x)
@@ -278,8 +279,8 @@ def test_moe_triton_backward_matches_reference(T, H, F, E, k, cf):
 
 def test_module_trains_on_the_triton_path():
     torch.manual_seed(2)
-    moe = R.MoEFeedForward(16, 24, num_experts=4, k=2, impl="triton", device=KDEV)
-    ref = R.MoEFeedForward(16, 24, num_experts=4, k=2, impl="torch", device=KDEV)
+    moe = MoEFeedForward(16, 24, num_experts=4, k=2, impl="triton", device=KDEV)
+    ref = MoEFeedForward(16, 24, num_experts=4, k=2, impl="torch", device=KDEV)
     ref.load_state_dict(moe.state_dict())
     x = torch.randn(2, 5, 16, device=KDEV)
     for m in (moe, ref):

@@ -18,6 +18,7 @@ import torch
 import llmu  # noqa: F401
 from llmu.layers.reference import swiglu
 from llmu.moe import reference as R
+from llmu.moe.layer import MoEFeedForward
 
 
 def _weights(E, H, F, seed=0, dtype=torch.float32):
@@ -107,7 +108,7 @@ def test_capacity_below_one_token_is_refused(cf):
     with pytest.raises(ValueError, match="capacity below one token"):
         R.expert_capacity(8, 4, 2, cf)
     with pytest.raises(ValueError, match="capacity below one token"):
-        R.MoEFeedForward(8, 16, 4, 2, capacity_factor=cf)
+        MoEFeedForward(8, 16, 4, 2, capacity_factor=cf)
 
 
 def test_dropping_is_in_token_order():
@@ -230,7 +231,7 @@ def test_loop_over_experts_equals_per_token_loop(T, E, k, renormalize):
 
 def test_gradients_flow_to_router_and_experts():
     torch.manual_seed(0)
-    moe = R.MoEFeedForward(16, 24, num_experts=4, k=2, capacity_factor=1.5)
+    moe = MoEFeedForward(16, 24, num_experts=4, k=2, capacity_factor=1.5)
     x = torch.randn(2, 5, 16, requires_grad=True)
     y = moe(x)
     assert y.shape == x.shape and moe.resolved_impl(x) == "torch"
@@ -248,7 +249,7 @@ def test_router_gradient_through_the_gate_weights_only():
     torch.manual_seed(1)
     x = torch.randn(6, 8)
     for renormalize, has_grad in ((False, True), (True, False)):
-        moe = R.MoEFeedForward(8, 12, num_experts=3, k=1, renormalize=renormalize)
+        moe = MoEFeedForward(8, 12, num_experts=3, k=1, renormalize=renormalize)
         moe(x).sum().backward()
         # w / w.sum() with one w: 1.0 up to rounding, so a gradient of rounding size (~1e-8) is left
         assert (moe.router.weight.grad.abs().max() > 1e-4) == has_grad
@@ -270,7 +271,7 @@ def test_gradcheck_float64():
 
 
 def test_module_forward_matches_function_and_keeps_shape():
-    moe = R.MoEFeedForward(8, 12, num_experts=4, k=2, renormalize=False, impl="torch")
+    moe = MoEFeedForward(8, 12, num_experts=4, k=2, renormalize=False, impl="torch")
     x = torch.randn(3, 1, 8)
     y = moe(x)
     y_ref, aux = R.moe_reference(x, moe.router.weight, moe.w_gate, moe.w_up, moe.w_down, 2, renormalize=False)
@@ -307,6 +308,6 @@ def test_bad_shapes_are_refused_naming_the_argument():
 
 def test_bad_module_arguments():
     with pytest.raises(ValueError, match="k=3.*E=2"):
-        R.MoEFeedForward(8, 12, num_experts=2, k=3)
+        MoEFeedForward(8, 12, num_experts=2, k=3)
     with pytest.raises(ValueError, match="impl"):
-        R.MoEFeedForward(8, 12, num_experts=2, k=1, impl="cuda")
+        MoEFeedForward(8, 12, num_experts=2, k=1, impl="cuda")

@@ -144,6 +144,7 @@ def test_gptq_and_awq_are_dispatched(monkeypatch):
             quantize_model(model, method, group_size=16, calibration=calib, skip=("down_proj",))
 
 
+@pytest.mark.slow
 def test_smollm2_group_128_does_not_divide_576(smollm2):
     # d_model = 576 = 4.5 x 128: groups of 128 fit the down projection (1536 inputs) but not the
     # others; the error says so before anything is copied (group 64, 32, 96 or 192 divide both)
@@ -153,6 +154,7 @@ def test_smollm2_group_128_does_not_divide_576(smollm2):
     assert len(quantized_layers(quantize_model(model, bits=4, group_size=128, granularity="channel"))) == 210
 
 
+@pytest.mark.slow
 def test_smollm2_rtn_4bit_g64(smollm2):
     model, tok = smollm2
     text = (Path(llmu.__file__).parent / "data" / "essays.txt").read_text()
@@ -170,6 +172,7 @@ def test_smollm2_rtn_4bit_g64(smollm2):
     assert 0.98 * ppl_ref <= ppl_q <= 1.5 * ppl_ref, (ppl_ref, ppl_q)
 
 
+@pytest.mark.slow
 def test_smollm2_on_the_files_own_q4_1_blocks(smollm2):
     # the loaded float weights ARE the file's Q4_1 values: holding the blocks instead changes nothing
     model, _ = smollm2

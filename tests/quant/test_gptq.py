@@ -321,6 +321,7 @@ def test_model_skip_and_bad_inputs():
         quantize_model_gptq(model, ids, 4, group_size=16, skip="down_proj")
 
 
+@pytest.mark.slow
 def test_smollm2_first_block(smollm2):
     # real activations of SmolLM2's first block: GPTQ beats RTN on every projection's output
     model, tok = smollm2

@@ -9,8 +9,13 @@ tensors to ``kernel_device()`` themselves (``gemv_inputs`` in the launcher cell)
 
 from __future__ import annotations
 
+import pytest
+
 import llmu  # noqa: F401  (Triton mode first: the exercise kernel is defined below)
 from llmu import course
+
+# The notebook's setup cell, which every exercise here runs first, loads SmolLM2.
+pytestmark = pytest.mark.slow
 
 NOTEBOOK = course.repo_root() / "solutions" / "10_quantization" / "10_quantization.ipynb"
 

@@ -51,6 +51,7 @@ def test_one_outlier_channel_ruins_per_tensor_scales():
     assert dirty["channel"] == pytest.approx(clean["channel"], rel=0.2)
 
 
+@pytest.mark.slow
 def test_smollm2_has_massive_down_proj_inputs(smollm2):
     model, tok = smollm2
     ids = torch.tensor([tok.encode(text("essays"))[:128]])

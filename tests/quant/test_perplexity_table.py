@@ -35,6 +35,7 @@ def test_plan_order():
     assert len(plan) == 16 and len(set(plan)) == 16 and plan[-1] == ("awq", 8, 32)
 
 
+@pytest.mark.slow
 def test_script_small_run_and_resume(tmp_path, smollm2):
     out = tmp_path / "table.json"
     common = ["--out", str(out), "--eval-text", "essays", "--calib-fraction", "0.9", "--schemes", "rtn",

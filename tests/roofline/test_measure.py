@@ -71,6 +71,7 @@ def test_token_latency_bad_inputs(start, times, match):
         token_latency(start, times)
 
 
+@pytest.mark.slow
 def test_latency_metrics_on_the_model(smollm2):
     model, _ = smollm2
     rows = latency_metrics(model, prompt_lens=(4, 48), new_tokens=5, warmup=True)
@@ -91,6 +92,7 @@ def test_latency_metrics_on_the_model(smollm2):
         assert r["prefill_s"] + r["decode_s"] <= r["ttlt_s"] + 1e-6
 
 
+@pytest.mark.slow
 def test_latency_metrics_bad_inputs(smollm2):
     model, _ = smollm2
     with pytest.raises(ValueError, match="new_tokens"):
@@ -103,6 +105,7 @@ def test_latency_metrics_bad_inputs(smollm2):
         latency_metrics(model, (4,), new_tokens=2, repeats=0)
 
 
+@pytest.mark.slow
 def test_model_weight_bytes_counts_tied_weights_once(smollm2):
     model, _ = smollm2
     n = model_weight_bytes(model)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import llmu  # noqa: F401
-from llmu.models import LlamaConfig, make_trainable
+from llmu.models import LlamaConfig, byte_llama_config, make_trainable
 from llmu.scale import mfu as M
 from llmu.scale.flops import train_step_flops
 
@@ -32,19 +32,19 @@ def test_published_table():
 
 
 def test_byte_config_and_trainable_model():
-    config = M.byte_llama_config(128, 2)
+    config = byte_llama_config(128, 2)
     assert (config.vocab_size, config.num_attention_heads, config.intermediate_size) == (256, 2, 384)
     model = make_trainable(config)
     assert model.training and all(p.requires_grad for p in model.parameters())
     with pytest.raises(ValueError, match="multiple"):
-        M.byte_llama_config(100, 2)
+        byte_llama_config(100, 2)
     with pytest.raises(TypeError, match="LlamaConfig"):
         make_trainable({"hidden": 128})
 
 
 def test_train_run_learns_and_counts():
     torch.manual_seed(0)
-    config = M.byte_llama_config(64, 1, max_len=64)
+    config = byte_llama_config(64, 1, max_len=64)
     run = M.train_run(config, batch=4, seq_len=32, steps=12, lr=1e-2)
     assert len(run.step_seconds) == len(run.losses) == 12
     assert run.flops_per_step == train_step_flops(config, 4, 32)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import llmu  # noqa: F401
 from llmu import course
 from llmu.roofline import Roof
+from llmu.models import byte_llama_config
 from llmu.scale import mfu as mfu_lib
 
 NOTEBOOK = course.repo_root() / "solutions" / "15_scale" / "15_scale.ipynb"
@@ -22,7 +23,7 @@ EXERCISES = {f"ex{n}": course.Exercise.numbered(n) for n in (1, 2, 3, 4)}
 
 def _measured_run(ns):
     """What the notebook's MFU cells leave behind for exercise 3's tests: a short real run."""
-    run = mfu_lib.train_run(mfu_lib.byte_llama_config(64, 1, max_len=32), batch=2, seq_len=32, steps=4)
+    run = mfu_lib.train_run(byte_llama_config(64, 1, max_len=32), batch=2, seq_len=32, steps=4)
     roof = Roof("stated peak", peak_flops=1e10, bandwidth=1e10)
     ns.update(run=run, roof=roof, local_mfu=run.mfu(roof.peak_flops))
 

@@ -6,7 +6,8 @@ greedy and temperature 1; about ten seconds): it writes its rows, ``--resume`` a
 ones and keeps the others, and resuming a file made with other settings is refused. The shipped
 table is checked for what the notebook relies on: the whole grid, every greedy row identical to
 plain greedy decoding, acceptance and tokens per step equal to their counts' ratios, and prompt
-lookup accepting more on the edit prompt (which copies its input) than on the story.
+lookup accepting more on the edit prompt (which copies its input) than on the story. One greedy
+row is decoded again live and must give the shipped counts exactly.
 """
 
 from __future__ import annotations
@@ -106,6 +107,41 @@ def test_shipped_table_says_what_the_module_says():
         assert edit["tokens_per_step"] > story["tokens_per_step"]
     # at a large gamma prompt lookup on the edit prompt is clearly faster than plain decoding
     assert max(r["speedup"] for r in load_acceptance_table(prompt="edit", draft="ngram", temperature=0)) > 1.5
+
+
+@pytest.mark.slow  # loads SmolLM2
+def test_a_greedy_row_recomputes_live(smollm2):
+    """A greedy row, decoded again as the script decodes it (its ``generate``: the same model,
+    prompt, draft, gamma, token budget and end token), gives the shipped counts exactly. Greedy
+    decoding takes the argmax of the target's logits and prompt lookup proposes by matching
+    tokens, so nothing here is random: a count that differs means the table no longer describes
+    this model and this code (or two logits tied within float32 rounding somewhere in 76 tokens,
+    which a different machine could break the other way; then the table must be remade). The
+    row is prompt lookup on the edit prompt at gamma 4: 21 steps of the target, a few seconds."""
+    from llmu.models.sampling import SamplingParams
+    from llmu.spec.bench import make_draft
+    from llmu.spec.decode import speculative_generate
+    from llmu.spec.prompts import end_token, prompt_ids
+
+    model, tokenizer = smollm2
+    record = acceptance_record()
+    (want,) = load_acceptance_table(prompt="edit", draft="ngram", temperature=0, gamma=4)
+    draft = make_draft(model, "ngram")
+    assert want["draft_label"] == draft.name
+    threads = torch.get_num_threads()
+    torch.set_num_threads(record["threads"])
+    try:
+        out = speculative_generate(model, draft, prompt_ids(tokenizer, "edit"), record["max_new_tokens"],
+                                   gamma=4, params=SamplingParams(temperature=0.0, seed=record["seed"]),
+                                   eos_token_id=record["eos_token_id"])
+    finally:
+        torch.set_num_threads(threads)
+    assert record["eos_token_id"] == end_token(tokenizer)
+    s = out.stats
+    got = dict(accepted=sum(s.accepted), proposed=sum(s.proposed), steps=s.steps, emitted=len(out.tokens),
+               ended=bool(out.tokens) and out.tokens[-1] == record["eos_token_id"])
+    assert got == {key: want[key] for key in got}
+    assert got["accepted"] / got["proposed"] == want["acceptance"]
 
 
 def test_reader_filters_and_refuses_unknown_values():

@@ -41,6 +41,7 @@ def test_greedy_equals_plain_decoding(kind, gamma):
         assert s.acceptance_rate == 1.0 and s.emitted[0] == gamma + 1
 
 
+@pytest.mark.slow
 def test_greedy_equals_plain_decoding_on_smollm2(smollm2):
     model, tokenizer = smollm2
     prompt = tokenizer.encode("Copy this list: apples, pears, plums, apples, pears, plums, apples,")

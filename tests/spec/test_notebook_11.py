@@ -9,8 +9,13 @@ course-wide notebook tests. Exercise 2 uses exercise 1's residual, exercise 4 us
 
 from __future__ import annotations
 
+import pytest
+
 import llmu  # noqa: F401
 from llmu import course
+
+# The notebook's setup cell, which every exercise here runs first, loads SmolLM2.
+pytestmark = pytest.mark.slow
 
 NOTEBOOK = course.repo_root() / "solutions" / "11_speculative_decoding" / "11_speculative_decoding.ipynb"
 

@@ -91,6 +91,7 @@ def test_sampling_gives_the_tokens_of_the_contiguous_cache():
         assert got == want, draft.name
 
 
+@pytest.mark.slow
 def test_greedy_equals_plain_decoding_on_smollm2(smollm2, targets):
     model, tokenizer = smollm2
     # the n-gram draft copies "The ... sat on the" and is partly rejected: the rollbacks cross blocks

@@ -12,9 +12,7 @@ import math
 import pytest
 import torch
 
-from llmu.models import tiny_llama
-from llmu.models import make_trainable
-from llmu.scale.mfu import byte_llama_config
+from llmu.models import byte_llama_config, make_trainable, tiny_llama
 from llmu.training.loop import (OptimizerMemory, StepLog, TokenWindows, TrainConfig, Trainer, adamw_param_groups,
                                 adamw_state_bytes, clip_grad_norm, optimizer_state_memory, warmup_cosine,
                                 warmup_cosine_scheduler)

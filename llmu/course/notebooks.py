@@ -1,0 +1,225 @@
+"""Notebook editing helpers: read cells by grade_id, play a student, find solution regions."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+
+from .paths import BEGIN_SOLUTION, END_SOLUTION
+
+
+def cells_by_grade_id(path) -> dict[str, str]:
+    """The source of every nbgrader cell of a notebook, keyed by its grade_id.
+
+    Unit tests use it to run a notebook's exercise and test cells in-process, without a kernel.
+    """
+    nb = json.loads(Path(path).read_text())
+    return {nbgrader_meta(c)["grade_id"]: "".join(c["source"]) for c in nb["cells"] if nbgrader_meta(c).get("grade_id")}
+
+
+def setup_namespace(cells: dict[str, str]) -> dict:
+    """A fresh namespace holding what a notebook's ``setup`` cell defines (without its environment
+    printout): where unit tests run the notebook's exercise and test cells."""
+    ns: dict = {}
+    exec(cells["setup"].replace("print(environment())", ""), ns)  # noqa: S102 - the course's own cell
+    return ns
+
+
+def exec_cell(source: str, ns: dict, workdir, name: str = "cell") -> dict:
+    """Run a notebook cell's code in the namespace ``ns``, as the notebook's kernel would; return ``ns``.
+
+    Code that defines a ``@triton.jit`` kernel is compiled from a file ``workdir/name.py``: Triton
+    reads a kernel's source text back (``inspect``), which needs a file behind the function.
+    """
+    if "@triton.jit" in source:
+        path = Path(workdir) / f"{name}.py"
+        path.write_text(source, encoding="utf-8")
+        code = compile(source, str(path), "exec")
+    else:
+        code = compile(source, f"<{name}>", "exec")
+    exec(code, ns)  # noqa: S102 - the course's own notebook cells
+    return ns
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """One graded exercise of a notebook, as the unit tests run it: the cells are named by grade_id."""
+
+    solution: str                 # the cell the learner writes
+    tests: tuple[str, ...]        # its graded test cells, in notebook order
+    before: tuple[str, ...] = ()  # cells run before it: earlier solutions it builds on, helpers
+    after: tuple[str, ...] = ()   # cells run after it: a launcher around the learner's kernel
+
+    @classmethod
+    def numbered(cls, n: int, *, before=(), after=()) -> Exercise:
+        """Exercise ``n`` with the course's usual names: ``exN_solution``, ``test_exN_visible``,
+        ``test_exN_hidden``."""
+        return cls(f"ex{n}_solution", (f"test_ex{n}_visible", f"test_ex{n}_hidden"), tuple(before), tuple(after))
+
+
+class NotebookExercises:
+    """A notebook's graded exercises, run in-process without a kernel: how the unit tests play the
+    instructor (every solution passes every test cell, hidden parts included) and a learner with a
+    typical mistake (the test cell named for the mistake catches it).
+
+    Use it as a context manager from a module-scoped fixture: the ``setup`` cell (and any
+    ``setup_cells``) runs once, on first use, and what it holds (a model, perhaps) is dropped on
+    exit. Each exercise runs in a
+    copy of that namespace. ``on_kernel_device`` makes the kernel device torch's default device
+    while cells run (cells that create tensors without naming a device; a no-op on a CPU).
+    """
+
+    def __init__(self, notebook, exercises: Mapping[str, Exercise], *, on_kernel_device: bool = False,
+                 setup_cells: Iterable[str] = (), setup_hook=None):
+        self.notebook = Path(notebook)
+        self.cells = cells_by_grade_id(self.notebook)
+        self.exercises = dict(exercises)
+        for name, ex in self.exercises.items():
+            missing = [c for c in (ex.solution, *ex.tests, *ex.before, *ex.after) if c not in self.cells]
+            if missing:
+                raise KeyError(f"{self.notebook.name}, exercise {name!r}: no cells {missing}")
+        self.on_kernel_device = on_kernel_device
+        self.setup_cells = tuple(setup_cells)  # locked cells after ``setup`` that the tests read
+        self.setup_hook = setup_hook  # called with the namespace: stands in for slow cells (a training run)
+        self._base: dict | None = None
+
+    def __enter__(self) -> NotebookExercises:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._base = None
+
+    def _device(self):
+        import contextlib
+
+        if not self.on_kernel_device:
+            return contextlib.nullcontext()
+        import torch
+
+        from llmu.runtime import kernel_device
+
+        dev = kernel_device()
+        return contextlib.nullcontext() if dev.type == "cpu" else torch.device(dev)
+
+    def namespace(self, exercise: str, workdir, source: str | None = None) -> dict:
+        """The namespace after the exercise's cells ran, with ``source`` in place of its solution."""
+        ex = self.exercises[exercise]
+        if self._base is None:
+            with self._device():
+                base = setup_namespace(self.cells)
+                for cell in self.setup_cells:
+                    exec_cell(self.cells[cell], base, workdir, cell)
+                if self.setup_hook is not None:
+                    self.setup_hook(base)
+            self._base = base
+        ns = dict(self._base)
+        with self._device():
+            for cell in ex.before:
+                exec_cell(self.cells[cell], ns, workdir, f"{exercise}_{cell}")
+            exec_cell(self.cells[ex.solution] if source is None else source, ns, workdir, f"{exercise}_answer")
+            for cell in ex.after:
+                exec_cell(self.cells[cell], ns, workdir, f"{exercise}_{cell}")
+        return ns
+
+    def check_solution(self, exercise: str, workdir) -> None:
+        """The instructor's solution passes every test cell of its exercise."""
+        ns = self.namespace(exercise, workdir)
+        with self._device():
+            for cell in self.exercises[exercise].tests:
+                exec_cell(self.cells[cell], ns, workdir, cell)  # hidden-test markers are comments: all of it runs
+
+    def check_caught(self, exercise: str, old: str, new: str, test_cell: str, workdir) -> AssertionError:
+        """The solution with ``old`` replaced by ``new`` fails ``test_cell`` with a check's
+        ``AssertionError`` (the test cells before it run first, as in the notebook, and may fail
+        in any way). Returns that error."""
+        ex = self.exercises[exercise]
+        solution = self.cells[ex.solution]
+        if old not in solution:
+            raise AssertionError(f"the solution of {exercise} no longer contains {old!r}: update the wrong answer")
+        if test_cell not in ex.tests:
+            raise KeyError(f"{test_cell!r} is not a test cell of {exercise} ({ex.tests})")
+        ns = self.namespace(exercise, workdir, solution.replace(old, new))
+        with self._device():
+            for cell in ex.tests[: ex.tests.index(test_cell)]:
+                try:
+                    exec_cell(self.cells[cell], ns, workdir, cell)
+                except Exception:  # noqa: BLE001 - an earlier test may fail on the wrong answer too
+                    pass
+            try:
+                exec_cell(self.cells[test_cell], ns, workdir, test_cell)
+            except AssertionError as exc:
+                return exc
+        raise AssertionError(f"test cell {test_cell!r} passed: it does not catch this wrong answer")
+
+
+def exercise_tests(notebook, exercises: Mapping[str, Exercise], wrong: Mapping[str, tuple], *,
+                   warnings_to_ignore: Iterable[str] = (), **options):
+    """The tests every notebook's exercise file runs, for pytest to collect from its module:
+
+        notebook, test_solutions_pass_all_tests, test_wrong_answers_fail = course.exercise_tests(
+            NOTEBOOK, EXERCISES, WRONG)
+
+    ``notebook`` is a module-scoped fixture holding a :class:`NotebookExercises` (``options`` go
+    to it); the first test runs each exercise's solution against all its test cells; the second
+    applies each wrong answer of ``wrong`` (case -> (exercise, old text, new text, test cell)) and
+    expects the named test cell to catch it. ``warnings_to_ignore`` are pytest warning filters
+    for the wrong answers (a NaN a wrong kernel produces, say).
+    """
+    import pytest
+
+    @pytest.fixture(scope="module", name="notebook")
+    def notebook_fixture():
+        with NotebookExercises(notebook, exercises, **options) as runner:
+            yield runner
+
+    @pytest.mark.parametrize("exercise", list(exercises))
+    def test_solutions_pass_all_tests(exercise, notebook, tmp_path):
+        notebook.check_solution(exercise, tmp_path)
+
+    @pytest.mark.parametrize("case", list(wrong))
+    def test_wrong_answers_fail(case, notebook, tmp_path):
+        notebook.check_caught(*wrong[case], workdir=tmp_path)
+
+    for spec in warnings_to_ignore:
+        test_wrong_answers_fail = pytest.mark.filterwarnings(spec)(test_wrong_answers_fail)
+    return notebook_fixture, test_solutions_pass_all_tests, test_wrong_answers_fail
+
+
+def nbgrader_meta(cell) -> dict:
+    return dict(cell.get("metadata", {}).get("nbgrader", {}))
+
+
+def is_solution(cell) -> bool:
+    return bool(nbgrader_meta(cell).get("solution"))
+
+
+def is_grade(cell) -> bool:
+    return bool(nbgrader_meta(cell).get("grade"))
+
+
+def is_test(cell) -> bool:
+    """An autograder test cell: graded code that is not itself an answer."""
+    m = nbgrader_meta(cell)
+    return cell.get("cell_type") == "code" and bool(m.get("grade")) and not m.get("solution")
+
+
+def solution_region(source: str) -> tuple[str, str, str] | None:
+    """Split ``source`` into (before, the solution lines, after) around the solution markers."""
+    m = re.search(rf"^([ \t]*){re.escape(BEGIN_SOLUTION)}[^\n]*\n(.*?)^[ \t]*{re.escape(END_SOLUTION)}[^\n]*$",
+                  source, flags=re.S | re.M)
+    if not m:
+        return None
+    return source[: m.start()], m.group(2), source[m.end():]
+
+
+def answer_from_solution(source: str) -> str:
+    """The solution cell's source as a student would type it: the markers removed."""
+    return "\n".join(
+        line for line in source.split("\n") if line.strip() not in (BEGIN_SOLUTION, END_SOLUTION)
+    )
+
+

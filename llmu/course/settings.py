@@ -1,0 +1,132 @@
+"""The single place where nbgrader is configured, and the checked calls into its API."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+from .paths import AUTOGRADER_DIR, BEGIN_HIDDEN, CELL_TIMEOUT, CODE_STUB, COURSE_ID, CourseError, RELEASE_DIR, SOURCE_DIR, _nbgrader_failure, _root, gradebook_url
+
+
+#: The folder of autograder/ that receives the HTML feedback pages, one folder per student.
+FEEDBACK_DIR = "feedback_html"
+#: The kernel option that keeps ipykernel's own warnings off the grader's terminal.
+KERNEL_QUIET = "--IPKernelApp.log_level=ERROR"
+
+
+def nbgrader_config(root=None, *, timeout: int = CELL_TIMEOUT):
+    """nbgrader's settings for the course rooted at ``root`` (a traitlets ``Config``).
+
+    ``autograder/nbgrader_config.py`` merges exactly this, so the ``nbgrader`` command line, the
+    formgrader and this module share one configuration.
+    """
+    _scripts_on_path()
+    from nbgrader.preprocessors import ClearHiddenTests, GetGrades
+    from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor
+    from traitlets.config import Config
+
+    root = _root(root)
+    ag = AUTOGRADER_DIR
+    c = Config()
+    c.CourseDirectory.course_id = COURSE_ID
+    c.CourseDirectory.root = str(root)  # must be absolute
+    c.CourseDirectory.source_directory = SOURCE_DIR
+    c.CourseDirectory.release_directory = RELEASE_DIR
+    c.CourseDirectory.submitted_directory = f"{ag}/submitted"
+    c.CourseDirectory.autograded_directory = f"{ag}/autograded"
+    # Not autograder/feedback: that is the script that makes the pages (autograder/feedback), and
+    # nbgrader would try to write into it as a folder. No output folder here may share a name
+    # with a file of autograder/ (tests/course/test_instructor_scripts.py checks).
+    c.CourseDirectory.feedback_directory = f"{ag}/{FEEDBACK_DIR}"
+    c.CourseDirectory.solution_directory = f"{ag}/solution"
+    c.CourseDirectory.source_with_tests_directory = f"{ag}/source_with_tests"
+    c.CourseDirectory.db_url = gradebook_url(root)
+    # Without this nbgrader would use a system-wide exchange directory.
+    c.Exchange.root = str(root / ag / "exchange")
+    # Per CELL, for validate and autograde. A student's infinite loop costs this much per cell
+    # that calls it; interrupting (rather than killing the kernel) lets grading go on.
+    c.Execute.timeout = int(timeout)
+    c.Execute.interrupt_on_timeout = True
+    # Each kernel would print "Kernel is running over TCP without encryption" (a WARNING of
+    # ipykernel, meaningless for a kernel on this machine) once per submission and notebook;
+    # errors still show.
+    c.Execute.extra_arguments = [KERNEL_QUIET]
+    # A kernel client that cannot sleep through a finished cell's reply (llmu/kernel_client.py).
+    c.AsyncKernelManager.client_class = "llmu.kernel_client.SlicedPollKernelClient"
+    c.ClearSolutions.code_stub = {"python": CODE_STUB}
+    # Feedback: nbgrader's ClearHiddenTests strips the hidden tests' source, but a failing hidden
+    # test's traceback still quotes its lines; HideHiddenTracebacks (first, while the markers are
+    # still there to find) cuts those tracebacks down to the check's own message.
+    c.GenerateFeedback.preprocessors = [GetGrades, hide_hidden_tracebacks(), ClearHiddenTests,
+                                        CSSHTMLHeaderPreprocessor]
+    return c
+
+
+_HIDE = []
+
+
+def hide_hidden_tracebacks():
+    """The feedback preprocessor class that keeps hidden tests out of error tracebacks.
+
+    IPython's traceback quotes the source lines around the failing one, so a failed hidden test
+    shows itself (and its neighbours) in the student's feedback even after ``ClearHiddenTests``.
+    In a cell with hidden tests, each error keeps only its type and message: the message of an
+    ``llmu.grading`` check says which property failed and what to look at, which is the feedback
+    meant for the learner.
+    """
+    if _HIDE:
+        return _HIDE[0]
+    from nbgrader.preprocessors import NbGraderPreprocessor
+
+    class HideHiddenTracebacks(NbGraderPreprocessor):
+        def preprocess_cell(self, cell, resources, index):
+            if cell.cell_type == "code" and BEGIN_HIDDEN in cell.source:
+                for out in cell.get("outputs", []):
+                    if out.get("output_type") == "error":
+                        out["traceback"] = [
+                            f"{out.get('ename', 'Error')}: {out.get('evalue', '')}",
+                            "(traceback not shown: this cell holds tests that stay hidden after grading)",
+                        ]
+            return cell, resources
+
+    HideHiddenTracebacks.__module__ = __name__
+    _HIDE.append(HideHiddenTracebacks)
+    return HideHiddenTracebacks
+
+
+def _scripts_on_path() -> None:
+    """Put this interpreter's script folder on PATH.
+
+    nbgrader runs ``alembic`` (its database migration tool) as a subprocess when it opens a
+    gradebook. In a virtual environment that was not activated (``.venv/bin/python -m ...``, as
+    ``make test`` does) that script is not on PATH, and every gradebook step fails with
+    ``FileNotFoundError: 'alembic'``.
+    """
+    import sys
+
+    scripts = os.path.dirname(os.path.abspath(sys.executable))
+    parts = os.environ.get("PATH", "").split(os.pathsep)
+    if scripts not in parts:
+        os.environ["PATH"] = os.pathsep.join([scripts, *parts])
+
+
+def _api(config):
+    from nbgrader.apps import NbGraderAPI
+    from nbgrader.coursedir import CourseDirectory
+
+    _scripts_on_path()
+
+    # The API checks the exchange folder on start and logs a CRITICAL line when it is missing,
+    # although this course does not use it.
+    Path(config.Exchange.root).mkdir(parents=True, exist_ok=True)
+    return NbGraderAPI(CourseDirectory(config=config), config=config)
+
+
+def _checked(result: dict, step: str) -> dict:
+    if not result.get("success"):
+        key, log = _nbgrader_failure(result)
+        raise CourseError(f"nbgrader {step} failed: {key}", log)
+    return result
+
+
