@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,14 +63,26 @@ def _meta_default_device(item):
         torch.set_default_device(None if previous == torch.device("cpu") else previous)
 
 
+def _is_the_course_model(path) -> bool:
+    """Whether ``path`` (as ``load_model`` got it: None for the default) is SmolLM2's GGUF file."""
+    if path is None or str(path) == "None":
+        return True
+    from llmu.models import model_path
+
+    try:
+        return Path(path).resolve() == Path(model_path()).resolve()
+    except (FileNotFoundError, OSError):
+        return False
+
+
 class _ModelLoads:
     """Notes every time a test gets SmolLM2 from ``llmu.models.loading``: read from disk (the weight
     cache or the GGUF file: ``load_weights``, ``build_from_gguf``) or handed out from ``load_model``'s
-    in-process cache (a hit in ``_CACHE``).
+    in-process cache (a hit in ``_CACHE``, keyed by the path first).
 
     All three are module globals that ``load_model`` looks up when it runs, so replacing them here
-    sees every caller, however it imported ``load_model``. A test that replaces ``load_weights``
-    with a stand-in loads nothing, and is not counted.
+    sees every caller, however it imported ``load_model``. Loads of other files (the small GGUF files
+    some tests write) and stand-ins a test puts in place of ``load_weights`` are not counted.
     """
 
     def __init__(self):
@@ -80,21 +93,20 @@ class _ModelLoads:
         class _RecordingCache(dict):
             def get(self, key, default=None):
                 value = super().get(key, default)
-                if value is not None and value is not default:
+                if value is not None and value is not default and _is_the_course_model(key[0]):
                     probe.seen = True
                 return value
 
         self.seen = False
-        self._weights = loading.load_weights
-        self._build = loading.build_from_gguf
         loading._CACHE = _RecordingCache(loading._CACHE)
-        loading.load_weights = self._reading(self._weights)
-        loading.build_from_gguf = self._reading(self._build)
+        loading.load_weights = self._reading(loading.load_weights)
+        loading.build_from_gguf = self._reading(loading.build_from_gguf)
 
     def _reading(self, fn):
-        def read(*args, **kwargs):
-            self.seen = True
-            return fn(*args, **kwargs)
+        def read(path=None, *args, **kwargs):
+            if _is_the_course_model(path):
+                self.seen = True
+            return fn(path, *args, **kwargs)
 
         return read
 

@@ -1,8 +1,8 @@
 """tests/conftest.py keeps the real model out of `make test-fast`: a test that loads SmolLM2 must be
 marked ``slow``. Checked here on throw-away test files, run by pytest in a subprocess with the
 suite's own conftest. Nothing is read from disk: each test file puts a stand-in model in
-``load_model``'s in-process cache under a path of its own, and ``load_model`` hands it out, as it
-hands out SmolLM2 on every call after the first."""
+``load_model``'s in-process cache, and ``load_model`` hands it out, as it hands out SmolLM2 on every
+call after the first. Loading another GGUF file (tests write small ones) is not loading the model."""
 
 from __future__ import annotations
 
@@ -18,12 +18,17 @@ import pytest
 import torch
 from llmu.models import load_model, loading
 
-FAKE = object()
-loading._CACHE[("fake.gguf", torch.float32, "cpu")] = FAKE
-loading._CACHE[("fake.gguf", torch.float32, "cpu", "sdpa")] = FAKE
+FAKE = object()  # stands in for SmolLM2 (the default path, None) in load_model's cache
+loading._CACHE[("None", torch.float32, "cpu")] = FAKE
+loading._CACHE[("None", torch.float32, "cpu", "sdpa")] = FAKE
 
 def _load():  # a cache hit: no file is read
-    assert load_model(path="fake.gguf", device="cpu") is FAKE
+    assert load_model(device="cpu") is FAKE
+
+def test_another_gguf_file_is_not_the_model():
+    loading._CACHE[("tiny.gguf", torch.float32, "cpu")] = FAKE
+    loading._CACHE[("tiny.gguf", torch.float32, "cpu", "sdpa")] = FAKE
+    assert load_model(path="tiny.gguf", device="cpu") is FAKE
 
 def test_unmarked_loader():
     _load()
@@ -48,7 +53,7 @@ def test_an_unmarked_test_that_loads_the_model_fails(pytester):
     shutil.copy(CONFTEST, pytester.path / "conftest.py")
     pytester.makepyfile(test_loads=LOADS)
     result = pytester.runpytest_subprocess("-p", "no:randomly", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=2, failed=1, errors=1)
+    result.assert_outcomes(passed=3, failed=1, errors=1)
     # pytest prints set-up errors before failures
     result.stdout.fnmatch_lines(["*test_unmarked_through_a_fixture loads SmolLM2*set-up*not marked slow*",
                                  "*test_unmarked_loader loads SmolLM2*run*not marked slow*"])
