@@ -233,3 +233,119 @@ def check_cpu_sizes_run():
         return rows
 
     return check
+
+
+# -- whole notebooks ------------------------------------------------------------------------------
+# An instructor notebook runs once per test session: in JupyterLab (tests/browser/test_lab.py) when
+# its test there is selected and a browser is at hand, else under nbclient (tests/course/
+# test_execution.py). Either way the same checks judge the run (`notebook_runs.check_solution`).
+
+#: The course's budget per notebook on 2 CPUs (DESIGN.md): 2 minutes and 2 GB. Memory is a property
+#: of the notebook and is asserted; wall time depends on what else the machine runs, so it is recorded
+#: in test-artifacts/notebooks/ and only a hard ceiling far above the budget (LLMU_NOTEBOOK_CEILING_S)
+#: fails a run.
+NOTEBOOK_BUDGET_S = 120
+NOTEBOOK_CEILING_S = float(os.environ.get("LLMU_NOTEBOOK_CEILING_S", 600))
+NOTEBOOK_BUDGET_RSS_MB = 2048
+NOTEBOOK_ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "notebooks"
+LAB_TEST = "test_notebook_renders_and_responds_in_lab"
+
+
+def chromium_path() -> str | None:
+    """Debian's Chromium: $LLMU_CHROMIUM, else `chromium` or `chromium-browser` on PATH."""
+    import shutil
+
+    explicit = os.environ.get("LLMU_CHROMIUM")
+    if explicit:
+        return explicit if Path(explicit).is_file() else None
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str | None:
+    """The Chromium executable the browser tests drive, or None."""
+    return chromium_path()
+
+
+@pytest.fixture(scope="session")
+def notebooks_run_in_lab(request, chromium) -> set[str]:
+    """The instructor notebooks (folder names) that tests/browser/test_lab.py runs in this session:
+    its test for them is selected and Chromium and Playwright are installed."""
+    import importlib.util
+
+    if chromium is None or importlib.util.find_spec("playwright") is None:
+        return set()
+    return {item.callspec.params["notebook"].parent.name for item in request.session.items
+            if getattr(item, "originalname", "") == LAB_TEST and hasattr(item, "callspec")}
+
+
+def _record_run(name: str, kind: str, nb, seconds: float, rss: float, where: str) -> dict:
+    import json
+
+    from llmu import course
+
+    cells = []
+    for i, cell in enumerate(nb.cells[:-1]):
+        s = course.cell_seconds(cell)
+        if s is not None:
+            cells.append({"cell": i, "grade_id": course.nbgrader_meta(cell).get("grade_id"), "seconds": round(s, 3)})
+    rec = {"notebook": name, "kind": kind, "where": where, "seconds": round(seconds, 2), "peak_rss_mb": round(rss),
+           "slowest_cells": sorted(cells, key=lambda c: -c["seconds"])[:5]}
+    NOTEBOOK_ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    (NOTEBOOK_ARTIFACTS / f"{name}.{kind}.json").write_text(json.dumps(rec, indent=1))
+    print(json.dumps(rec))
+    return rec
+
+
+def notebook_errors(nb, skip=lambda cell: False) -> list[str]:
+    """Every error output of the notebook's code cells (those ``skip`` does not exclude)."""
+    from llmu import course
+
+    out = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code" or skip(cell):
+            continue
+        for o in cell.get("outputs", []):
+            if o.get("output_type") == "error":
+                gid = course.nbgrader_meta(cell).get("grade_id", "")
+                out.append(f"cell {i} {gid}: {o.get('ename')}: {o.get('evalue')}\n  {cell.source[:200]!r}")
+    return out
+
+
+@pytest.fixture(scope="session")
+def notebook_runs():
+    """What the tests that run whole notebooks share: ``record(name, kind, nb, seconds, rss, where)``
+    writes test-artifacts/notebooks/<name>.<kind>.json; ``errors(nb, skip)`` lists the cells' error
+    outputs; ``check_solution(name, nb, seconds, results, where)`` makes the checks on a run of an
+    instructor notebook (``nb`` executed, the memory probe its last cell; ``results`` nbgrader's
+    verdict on it): no cell raised, nbgrader validation passes, every cell within the grading limit,
+    the run under the ceiling, peak memory within the budget, widget state stored."""
+    import json
+    import types
+    import warnings
+
+    from llmu import course
+
+    def check_solution(name: str, nb, seconds: float, results: dict, where: str) -> dict:
+        rss = course.peak_rss_mb(nb)
+        rec = _record_run(name, "solutions", nb, seconds, rss, where)
+        errors = notebook_errors(nb)
+        assert not errors, f"{name}: cells raised:\n" + "\n".join(errors)
+        assert results == {}, f"{name} fails nbgrader validation: {json.dumps(results)[:3000]}"
+        slow = [c for c in rec["slowest_cells"] if c["seconds"] > course.CELL_TIMEOUT]
+        assert not slow, f"{name}: cells over the {course.CELL_TIMEOUT} s grading limit: {slow}"
+        if seconds > NOTEBOOK_BUDGET_S:
+            warnings.warn(f"{name} took {seconds:.0f} s here (budget {NOTEBOOK_BUDGET_S} s on an idle 2-CPU "
+                          f"machine); slowest cells: {rec['slowest_cells']}")
+        assert seconds < NOTEBOOK_CEILING_S, f"{name} took {seconds:.0f} s (ceiling {NOTEBOOK_CEILING_S:.0f} s): {rec['slowest_cells']}"
+        assert rss < NOTEBOOK_BUDGET_RSS_MB, f"{name} peaked at {rss:.0f} MB (budget {NOTEBOOK_BUDGET_RSS_MB} MB)"
+        # Interactive pictures must leave their widget state in the notebook: without it, a static
+        # rendering (the autograder's feedback, a viewer) shows no widget at all.
+        has_widgets = any("application/vnd.jupyter.widget-view+json" in o.get("data", {})
+                          for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+        if has_widgets:
+            assert nb.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json"), \
+                "widgets were displayed but no widget state was stored"
+        return rec
+
+    return types.SimpleNamespace(record=_record_run, errors=notebook_errors, check_solution=check_solution)

@@ -76,6 +76,11 @@ from .validation import (  # noqa: F401
     _make_validator,
     execute_and_validate,
     validate,
+    validate_executed,
+    MEMORY_PROBE,
+    add_memory_probe,
+    peak_rss_mb,
+    cell_seconds,
 )
 from .autograding import (  # noqa: F401
     StudentResult,
@@ -96,6 +101,7 @@ from .notebooks import (  # noqa: F401
     Exercise,
     NotebookExercises,
     exercise_tests,
+    library_answer_cheat,
     nbgrader_meta,
     is_solution,
     is_grade,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from collections.abc import Iterable, Mapping
@@ -156,18 +157,99 @@ class NotebookExercises:
         raise AssertionError(f"test cell {test_cell!r} passed: it does not catch this wrong answer")
 
 
+    def own_work_calls(self, exercise: str) -> dict[str, list[tuple[str, tuple[str, ...]]]]:
+        """For each test cell of ``exercise``, its ``check_own_work`` calls: (the submission's
+        name, the answers as written)."""
+        calls: dict[str, list[tuple[str, tuple[str, ...]]]] = {}
+        for cell in self.exercises[exercise].tests:
+            found = []
+            for node in ast.walk(ast.parse(self.cells[cell])):
+                if not (isinstance(node, ast.Call) and _callee(node.func) == "check_own_work"):
+                    continue
+                if len(node.args) < 2 or not isinstance(node.args[0], ast.Name):
+                    raise AssertionError(f"{self.notebook.name} {cell}: check_own_work(submission_name, answer, ..., "
+                                         f"what=...) expected, got {ast.unparse(node)}")
+                found.append((node.args[0].id, tuple(ast.unparse(a) for a in node.args[1:])))
+            calls[cell] = found
+        return calls
+
+    def check_library_answer_fails(self, exercise: str, workdir) -> list[str]:
+        """A learner who hands back llmu's answer (an alias, or a wrapper through a helper; a
+        subclass for a class) fails every test cell of ``exercise`` with the own-work message.
+        Returns the cases tried."""
+        from llmu.grading import CheckFailed
+
+        ex = self.exercises[exercise]
+        calls = self.own_work_calls(exercise)
+        unchecked = [cell for cell, found in calls.items() if not found]
+        if unchecked:
+            raise AssertionError(f"{self.notebook.name} {exercise}: test cells {unchecked} never call check_own_work, "
+                                 "so a learner who returns llmu's own answer passes them")
+        submissions: dict[str, str] = {}
+        for found in calls.values():
+            for name, answers in found:
+                submissions.setdefault(name, answers[0])
+        tried = []
+        for name, answer in submissions.items():
+            for variant in ("alias", "wrapper"):
+                case = f"{name} = {answer} ({variant})"
+                source = self.cells[ex.solution] + "\n" + library_answer_cheat(name, answer, variant)
+                ns = self.namespace(exercise, workdir, source)
+                for cell in ex.tests:
+                    try:
+                        with self._device():
+                            exec_cell(self.cells[cell], ns, workdir, cell)
+                    except Exception as exc:  # noqa: BLE001 - which failure it was is the finding
+                        if not (isinstance(exc, CheckFailed) and "a ready-made answer to this exercise" in str(exc)):
+                            raise AssertionError(f"{case}: {cell} failed with {type(exc).__name__} before its "
+                                                 f"own-work check (make check_own_work the cell's first line): "
+                                                 f"{exc}") from exc
+                    else:
+                        raise AssertionError(f"{case}: test cell {cell!r} passed llmu's own answer")
+                tried.append(case)
+        return tried
+
+
+def _callee(func) -> str:
+    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+
+
+def library_answer_cheat(name: str, answer: str, variant: str = "alias") -> str:
+    """Code appended to a solution cell that replaces ``name`` by llmu's ``answer``, as a learner
+    could: the answer itself, or a function that only calls it through a helper (a subclass, for
+    a class; a Triton kernel cannot be wrapped, so it is aliased)."""
+    lines = ["from llmu.grading.own_work import resolve as _resolve",
+             f"_library_answer = _resolve({answer})"]
+    if variant == "alias":
+        lines.append(f"{name} = _library_answer")
+    else:
+        lines += ["if isinstance(_library_answer, type):",
+                  f"    class {name}(_library_answer):",
+                  "        pass",
+                  "elif hasattr(_library_answer, 'fn'):  # a Triton kernel",
+                  f"    {name} = _library_answer",
+                  "else:",
+                  "    def _helper(*args, **kwargs):",
+                  "        return _library_answer(*args, **kwargs)",
+                  "",
+                  f"    def {name}(*args, **kwargs):",
+                  "        return _helper(*args, **kwargs)"]
+    return "\n".join(lines) + "\n"
+
+
 def exercise_tests(notebook, exercises: Mapping[str, Exercise], wrong: Mapping[str, tuple], *,
                    warnings_to_ignore: Iterable[str] = (), **options):
     """The tests every notebook's exercise file runs, for pytest to collect from its module:
 
-        notebook, test_solutions_pass_all_tests, test_wrong_answers_fail = course.exercise_tests(
-            NOTEBOOK, EXERCISES, WRONG)
+        (notebook, test_solutions_pass_all_tests, test_wrong_answers_fail,
+         test_library_answers_fail) = course.exercise_tests(NOTEBOOK, EXERCISES, WRONG)
 
     ``notebook`` is a module-scoped fixture holding a :class:`NotebookExercises` (``options`` go
     to it); the first test runs each exercise's solution against all its test cells; the second
     applies each wrong answer of ``wrong`` (case -> (exercise, old text, new text, test cell)) and
-    expects the named test cell to catch it. ``warnings_to_ignore`` are pytest warning filters
-    for the wrong answers (a NaN a wrong kernel produces, say).
+    expects the named test cell to catch it; the third hands in llmu's own answer to each
+    exercise and expects every test cell to refuse it. ``warnings_to_ignore`` are pytest warning
+    filters for the wrong answers (a NaN a wrong kernel produces, say).
     """
     import pytest
 
@@ -184,9 +266,13 @@ def exercise_tests(notebook, exercises: Mapping[str, Exercise], wrong: Mapping[s
     def test_wrong_answers_fail(case, notebook, tmp_path):
         notebook.check_caught(*wrong[case], workdir=tmp_path)
 
+    @pytest.mark.parametrize("exercise", list(exercises))
+    def test_library_answers_fail(exercise, notebook, tmp_path):
+        notebook.check_library_answer_fails(exercise, tmp_path)
+
     for spec in warnings_to_ignore:
         test_wrong_answers_fail = pytest.mark.filterwarnings(spec)(test_wrong_answers_fail)
-    return notebook_fixture, test_solutions_pass_all_tests, test_wrong_answers_fail
+    return notebook_fixture, test_solutions_pass_all_tests, test_wrong_answers_fail, test_library_answers_fail
 
 
 def nbgrader_meta(cell) -> dict:

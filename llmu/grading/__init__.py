@@ -14,6 +14,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .errors import CheckFailed
+from .own_work import check_own_work
+
 __all__ = [
     "CheckFailed",
     "check",
@@ -22,13 +25,10 @@ __all__ = [
     "check_finite",
     "check_shape",
     "check_dtype",
+    "check_own_work",
     "check_raises",
     "passed",
 ]
-
-
-class CheckFailed(AssertionError):
-    """A graded property does not hold. The message explains which one and what to look at."""
 
 
 def _fail(what: str, detail: str, hint: str | None) -> None:

@@ -6,11 +6,22 @@ The whole notebook (model cells, widgets, benchmark) is executed by the course-w
 The cells make their tensors without naming a device; they are run with ``kernel_device()`` as
 torch's default device (a no-op in the interpreter, cuda when the kernels are compiled), so the
 exercise kernel gets tensors it can read.
+
+The figures of the prose (softmax's operations per byte, how often the naive kernel reads its
+scores, where the last word of the attention example falls) are recomputed from llmu's code and
+the tokenizer; the temperature is written τ, never T (T is a sequence length); the test cells read
+nothing that only a demonstration cell defines, and each ends with a ``passed(...)`` line.
 """
 
 from __future__ import annotations
 
+import ast
+import inspect
+import json
+import re
 from pathlib import Path
+
+import pytest
 
 import llmu  # noqa: F401  (Triton mode first: the exercise kernel is defined below)
 from llmu import course
@@ -22,16 +33,173 @@ EXERCISES = {"ex1": course.Exercise.numbered(1), "ex2": course.Exercise.numbered
              "ex3": course.Exercise.numbered(3, after=["ex3_launcher"])}
 
 
+# Exercise 2's GQA: query head h must use KV head h // (H // Hkv); tiling the KV heads gives it h % Hkv.
+_GROUPED = ("k = reference.repeat_kv(k, n_heads // n_kv_heads)\n"
+            "    v = reference.repeat_kv(v, n_heads // n_kv_heads)")
+_TILED = ("k = k.repeat(1, n_heads // n_kv_heads, 1, 1)\n"
+          "    v = v.repeat(1, n_heads // n_kv_heads, 1, 1)")
+
 WRONG = {
     # exercise, replaced text, replacement, the test cell that must catch it
     "ex1: no max subtraction": ("ex1", "z = z - z.amax(dim=-1, keepdim=True)", "z = z", "test_ex1_hidden"),
+    "ex1: logits times the temperature": ("ex1", "z = logits / temperature", "z = logits * temperature",
+                                          "test_ex1_visible"),
+    "ex1: bad temperature accepted": ("ex1", "if not temperature > 0:\n        raise", "if False:\n        raise",
+                                      "test_ex1_hidden"),
     "ex2: top-left causal mask": ("ex2", "j > i + (tk - tq)", "j > i", "test_ex2_hidden"),
+    "ex2: no 1/sqrt(D) scale": ("ex2", " / math.sqrt(q.shape[-1])", "", "test_ex2_visible"),
+    "ex2: KV heads tiled, not grouped": ("ex2", _GROUPED, _TILED, "test_ex2_hidden"),
     "ex3: sum not rescaled": ("ex3", "s = s * tl.exp(m - m_safe) +", "s = s +", "test_ex3_visible"),
+    "ex3: temperature left out of pass 2": ("ex3", 'mask=mask, other=-float("inf")).to(tl.float32) / temperature',
+                                            'mask=mask, other=-float("inf")).to(tl.float32)', "test_ex3_visible"),
     "ex3: NaN on -inf blocks": ("ex3", 'tl.where(m_new == -float("inf"), 0.0, m_new)', "m_new", "test_ex3_hidden"),
 }
 
 
-# The exercise file's two tests: every solution passes its test cells; every wrong answer is
-# caught by the test cell named for it (cell metadata is checked in tests/course/test_notebooks.py).
-notebook, test_solutions_pass_all_tests, test_wrong_answers_fail = course.exercise_tests(
+# The exercise file's tests: every solution passes its test cells; every wrong answer is caught by
+# the test cell named for it; llmu's own answers handed back score nothing (cell metadata is
+# checked in tests/course/test_notebooks.py).
+(notebook, test_solutions_pass_all_tests, test_wrong_answers_fail,
+ test_library_answers_fail) = course.exercise_tests(
     NOTEBOOK, EXERCISES, WRONG, on_kernel_device=True, warnings_to_ignore=["ignore::RuntimeWarning"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The prose: its figures recomputed from llmu's code, its notation
+# ---------------------------------------------------------------------------------------------
+
+def _prose(grade_id):
+    return " ".join(course.cells_by_grade_id(NOTEBOOK)[grade_id].split())
+
+
+def test_softmax_operations_per_byte():
+    from llmu.attention.bench import softmax_bytes, softmax_flops
+
+    size = {"M": 1, "N": 49152}
+    fp32, bf16 = softmax_flops(size) / softmax_bytes(size, 4), softmax_flops(size) / softmax_bytes(size, 2)
+    assert (fp32, bf16) == (0.75, 1.5)
+    assert f"${fp32:g}$ operations per byte in float32, ${bf16:g}$ in bf16" in _prose("bench_md")
+
+
+def test_naive_kernel_reads_its_scores_twice():
+    from llmu.attention import kernels
+
+    source = inspect.getsource(kernels._attention_kernel.fn)
+    assert source.count("tl.store(s_base") == 1 and source.count("tl.load(s_base") == 2
+    text = _prose("library_attention_md")
+    assert ("writes them to memory, reads them back to find the softmax denominator, and reads them a second time"
+            in text)
+
+
+@pytest.mark.slow   # SmolLM2's tokenizer (not the model)
+def test_last_word_comes_three_positions_after_it():
+    from llmu.models import load_tokenizer
+
+    cell = course.cells_by_grade_id(NOTEBOOK)["maps_compute"]
+    sentence = re.search(r'"tired": "([^"]+)"', cell).group(1)
+    tokens = [load_tokenizer().token_to_str(i) for i in load_tokenizer().encode(sentence)]
+    it = tokens.index(" it")
+    words = "zero one two three four five six seven eight nine ten".split()
+    text = _prose("maps_md")
+    assert f"the same {words[it + 1]} tokens in both sentences" in text        # "The" .. " it"
+    assert f"The last word arrives {words[len(tokens) - 1 - it]} positions later" in text
+
+
+TEMPERATURE_AS_T = re.compile(r"\bT\s*(=|<|>|\\to)|p_i\(T\)|p\(T\)|/\s*T\b|\bT\s*=\s*\{")
+
+
+def test_temperature_is_tau_never_T():
+    """T is a sequence length in this notebook (and the course); the temperature is τ in the prose
+    and `temperature` in code and messages."""
+    cells = course.cells_by_grade_id(NOTEBOOK)
+    found = {gid: TEMPERATURE_AS_T.findall(text) for gid, text in cells.items() if TEMPERATURE_AS_T.search(text)}
+    assert not found, f"temperature written T in {found}"
+    assert "temperature** $\\tau > 0$" in cells["temp_md"]
+    assert 'description="τ"' in cells["sampling_widget"]
+
+
+def test_intro_presents_the_sampling_filters_as_a_widget():
+    """Softmax with temperature is an exercise; top-k, top-p and min-p are llmu's, shown in a widget."""
+    cells = course.cells_by_grade_id(NOTEBOOK)
+    intro = cells["intro"]
+    item = intro[intro.index("3. softmax with temperature"):intro.index("4. what SmolLM2")]
+    goal = next(line for line in intro.splitlines() if line.startswith("- ") and "top-p" in line)
+    assert "widget" in item and "widget" in goal and not goal.startswith("- Implement softmax with temperature and")
+    assert "sampling.process_logits" in cells["sampling_widget"]
+    assert not any(re.search(r"top_k|top_p|min_p", cells[f"ex{n}_solution"]) for n in (1, 2, 3))
+
+
+# ---------------------------------------------------------------------------------------------
+# Test cells read only what the learner's cells and the locked setup and helper cells define, and
+# each one ends, in the learner's copy as in the graded one, with a passed(...) line.
+# ---------------------------------------------------------------------------------------------
+
+# Locked cells the tests may read: the launcher around the learner's kernel.
+HELPERS = ("ex3_launcher",)
+
+
+def _code_cells(path):
+    for cell in json.loads(Path(path).read_text())["cells"]:
+        if cell["cell_type"] == "code":
+            meta = cell["metadata"].get("nbgrader", {})
+            yield meta.get("grade_id"), meta, "".join(cell["source"])
+
+
+def _stored_and_loaded(source):
+    """Names a cell binds anywhere (arguments and loop variables included), and names it reads."""
+    stored, loaded = set(), set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name):
+            (loaded if isinstance(node.ctx, ast.Load) else stored).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            stored.add(node.name)
+        elif isinstance(node, ast.alias):
+            stored.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.arg):
+            stored.add(node.arg)
+    return stored, loaded
+
+
+def _defined(source):
+    """The global names a cell defines (not a function's arguments or locals)."""
+    names = set()
+
+    def visit(node):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(child.name)
+            elif isinstance(child, ast.alias):
+                names.add((child.asname or child.name).split(".")[0])
+            elif isinstance(child, ast.Name) and not isinstance(child.ctx, ast.Load):
+                names.add(child.id)
+            elif not isinstance(child, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+                visit(child)
+
+    visit(ast.parse(source))
+    return names
+
+
+def test_no_test_cell_reads_a_demo_cells_names():
+    """A name a test cell reads without defining it comes from the setup cell, a solution cell or a
+    locked helper cell before it (HELPERS), never from a demo, widget or benchmark cell alone."""
+    allowed, demo, bad = set(), set(), {}
+    for gid, meta, source in _code_cells(NOTEBOOK):
+        stored, loaded = _stored_and_loaded(source)
+        if meta.get("grade"):
+            used = (loaded - stored) & (demo - allowed)
+            if used:
+                bad[gid] = sorted(used)
+        elif gid == "setup" or meta.get("solution") or gid in HELPERS:
+            allowed |= _defined(source)
+        else:
+            demo |= _defined(source)
+    assert not bad, f"test cells reading names only a demo cell defined: {bad}"
+
+
+def test_every_test_cell_ends_with_passed():
+    hidden = re.compile(r"### BEGIN HIDDEN TESTS\n.*?### END HIDDEN TESTS\n?", re.S)
+    for gid, meta, source in _code_cells(NOTEBOOK):
+        if meta.get("grade"):
+            for version in (source, hidden.sub("", source)):   # graded, and the learner's copy
+                last = [line for line in version.splitlines() if line.strip()][-1]
+                assert last.startswith("passed("), f"{gid} ends with {last!r}"

@@ -10,7 +10,11 @@ make the page predictable:
 * ``windowingMode: none``: JupyterLab 4 otherwise renders only the cells near the viewport, and a
   widget that was never attached looks the same as one that failed;
 * no news toast (it would cover the bottom of every screenshot);
-* no autosave (the test closes notebooks without saving).
+* no autosave (a test saves a notebook once, when its run is over);
+
+and two make a saved notebook hold what nbclient would have stored, for the checks on its run: each
+cell's timing (``recordTiming``) and the widgets' state (``saveState``). Each notebook of the copy ends
+with the memory probe cell (``llmu.course.add_memory_probe``).
 
 ``checkout_lab``: the same, started in a temporary copy of a checkout (``llmu/`` and one released
 notebook), as ``llmu lab`` starts it: for the notebooks' links to llmu's code.
@@ -45,7 +49,8 @@ from llmu import course
 SERVER_START_S = 90
 PROBE_JS = Path(__file__).with_name("lab_probe.js")
 USER_SETTINGS = {
-    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
+    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none", "recordTiming": True},
+    "@jupyter-widgets/jupyterlab-manager/plugin.jupyterlab-settings": {"saveState": True},
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false"},
     "@jupyterlab/docmanager-extension/plugin.jupyterlab-settings": {"autosave": False},
 }
@@ -58,14 +63,6 @@ def unavailable(reason: str):
     if os.environ.get("CI", "").lower() in {"1", "true", "yes"}:
         pytest.fail(f"{reason} (CI=true: the browser tests must run here)", pytrace=False)
     pytest.skip(reason)
-
-
-def chromium_path() -> str | None:
-    """Debian's Chromium: $LLMU_CHROMIUM, else `chromium` or `chromium-browser` on PATH."""
-    explicit = os.environ.get("LLMU_CHROMIUM")
-    if explicit:
-        return explicit if Path(explicit).is_file() else None
-    return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 def _free_port() -> int:
@@ -155,6 +152,8 @@ def lab(tmp_path_factory) -> LabServer:
     home = tmp_path_factory.mktemp("jupyterlab")
     root = home / "notebooks"
     shutil.copytree(course.solutions_dir(), root, ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
+    for notebook in sorted(root.glob("*/*.ipynb")):
+        course.add_memory_probe(notebook)
     server = _start_lab(home, root)
     yield server
     _stop(server.process)
@@ -181,8 +180,8 @@ def checkout_lab(tmp_path_factory) -> LabServer:
 
 
 @pytest.fixture(scope="session")
-def browser():
-    executable = chromium_path()
+def browser(chromium):
+    executable = chromium
     if executable is None:
         unavailable("Chromium is not installed: run `make chromium` (apt-get install chromium) or set LLMU_CHROMIUM")
     try:

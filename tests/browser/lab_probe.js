@@ -10,7 +10,8 @@
 //   sliderCandidates()  how many sliders sit in a box with an output; markSlider(i) marks the i-th
 //                    for the keyboard; sliderState() gives its readout, a signature of the output
 //                    beside it (text + figure data) and how often the kernel went idle;
-//   close()          shuts the kernel down and closes the notebook without saving.
+//   save()           saves the notebook (its outputs, cell timings and widget state);
+//   close()          shuts the kernel down and closes the notebook without saving again.
 (() => {
   const app = window.jupyterapp;
   const WIDGET_MIME = "application/vnd.jupyter.widget-view+json";
@@ -193,6 +194,13 @@
     return outer.scrollTop;
   }
 
+  // Save the notebook as it is now (outputs, cell timings, widget state): its run is then judged
+  // from the file, as nbgrader judges a notebook.
+  async function save() {
+    await panel.context.save();
+    return panel.context.path;
+  }
+
   async function close() {
     if (!panel) return;
     const closing = panel;
@@ -202,5 +210,5 @@
     closing.dispose();
   }
 
-  window.llmuProbe = { open, startRunAll, runState, inspect, sliderCandidates: () => sliderCandidates().length, markSlider, sliderState, scrollGeometry, scrollTo, close };
+  window.llmuProbe = { open, startRunAll, runState, inspect, sliderCandidates: () => sliderCandidates().length, markSlider, sliderState, scrollGeometry, scrollTo, save, close };
 })();

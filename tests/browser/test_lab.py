@@ -4,6 +4,10 @@ nbclient (tests/course/test_execution.py) proves that the cells run; it cannot s
 they display works on the page. Here each instructor notebook is opened in JupyterLab, run with
 "Run All Cells", and then the page is compared with what the kernel produced:
 
+* the run is the notebook's only run of the session: it is saved, and the checks
+  tests/course/test_execution.py would make judge it (nbgrader validation of the saved outputs,
+  every cell within the grading limit, 2 GB of memory, widget state stored);
+
 * no cell raised (the model's error outputs) and no traceback is shown anywhere, the outputs of
   interactive widgets included (a warning printed to stderr is not an error);
 * every widget view a cell displayed is rendered (not "Error displaying widget" nor stuck at
@@ -30,6 +34,7 @@ import os
 import time
 from pathlib import Path
 
+import nbformat
 import pytest
 
 from llmu import course
@@ -186,7 +191,7 @@ def _move_slider(page, name: str) -> dict:
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=_ids(NOTEBOOKS))
-def test_notebook_renders_and_responds_in_lab(notebook: Path, lab_page):
+def test_notebook_renders_and_responds_in_lab(notebook: Path, lab_page, lab, notebook_runs):
     page, name = lab_page, notebook.parent.name
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     record = {"notebook": name}
@@ -206,11 +211,18 @@ def test_notebook_renders_and_responds_in_lab(notebook: Path, lab_page):
         report = _inspect_until_settled(page)
         record.update({k: report[k] for k in ("widgets", "plots", "nestedPlots", "math", "sliders")})
         record["screenshots"] = _screenshot_notebook(page, name)
+        saved = lab.root / page.evaluate("window.llmuProbe.save()")
         problems = _problems(report)
         if not run.get("ok") and not problems:
             problems.append(f"run-all did not succeed: {run}")
         assert not problems, f"{name} in JupyterLab:\n" + "\n".join(problems) + \
             (f"\npage errors: {page.console_errors[-5:]}" if page.console_errors else "")
+
+        # This run is the notebook's run of the session (tests/course/test_execution.py skips its
+        # own): nbgrader's verdict on the saved outputs, the grading limit, memory, widget state.
+        executed = nbformat.read(str(saved), as_version=4)
+        notebook_runs.check_solution(name, executed, record["run_s"], course.validate_executed(saved),
+                                     where="jupyterlab")
 
         record["slider_move"] = _move_slider(page, name)
         record["screenshots"].append(f"{name}.slider.png")

@@ -7,7 +7,10 @@ Four students hand in the released notebook:
 * ``tampered``: like ``wrong``, and the locked test cells of that exercise replaced by a
   ``print`` so they "pass" -> no gain: autograde restores the tests from the gradebook;
 * ``loop``: the first exercise's body replaced by ``while True: pass`` -> the cells that call it
-  hit the per-cell time limit, the timeout is recorded, and grading completes.
+  hit the per-cell time limit, the timeout is recorded, and grading completes;
+* ``library``: every exercise answered, and the first one then replaced by llmu's own kernel (the
+  answer its hidden own-work check names) -> nothing for that exercise, with the reason in the
+  graded notebook, full marks for the others.
 
 The whole round trip is bounded by an overall deadline, since a per-cell limit alone does not
 bound a notebook.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import signal
 import threading
 import time
@@ -92,11 +96,18 @@ def _make_students(solution_nb, released_nb):
     for c in tampered.cells:
         if course.is_test(c):
             c.source = "print('all tests passed')"
-    return {"correct": correct, "wrong": wrong, "tampered": tampered, "loop": loop}, target
+    # the answer the first test cell after the target names in its own-work check
+    cells = solution_nb.cells
+    at = next(i for i, c in enumerate(cells) if course.nbgrader_meta(c).get("grade_id") == target)
+    first_test = next(c for c in cells[at:] if course.is_test(c))
+    name, answer = re.search(r"check_own_work\((\w+), ([^,)]+)", first_test.source).groups()
+    library = copy.deepcopy(correct)
+    cell = next(c for c in _solution_cells(library) if course.nbgrader_meta(c)["grade_id"] == target)
+    cell.source += "\n" + course.library_answer_cheat(name, answer)
+    return {"correct": correct, "wrong": wrong, "tampered": tampered, "loop": loop, "library": library}, target
 
 
-@pytest.fixture(scope="module")
-def round_trip(tmp_path_factory):
+def _round_trip(tmp_path_factory):
     src_dir = course.solutions_dir() / ASSIGNMENT
     assert (src_dir / f"{ASSIGNMENT}.ipynb").is_file(), f"{src_dir} is missing: the round trip runs on the real {ASSIGNMENT}"
     released = course.released_twin(src_dir / f"{ASSIGNMENT}.ipynb")
@@ -115,20 +126,20 @@ def round_trip(tmp_path_factory):
     return out
 
 
-def test_grading_completes_for_everyone(round_trip):
+def grading_completes_for_everyone(round_trip):
     for s, r in round_trip["students"].items():
         assert r.success, f"autograde failed for {s}:\n{r.log[-3000:]}"
         assert r.max_score and r.max_score > 0, f"{s}: no points to earn"
 
 
-def test_correct_gets_full_marks(round_trip):
+def correct_gets_full_marks(round_trip):
     r = round_trip["students"]["correct"]
     lost = {k: v for k, v in r.grades.items() if v[0] != v[1]}
     assert r.score == r.max_score, f"the instructor's answers lost points: {lost}\n{r.log[-2000:]}"
     assert not r.timed_out
 
 
-def test_wrong_gets_partial_marks(round_trip):
+def wrong_gets_partial_marks(round_trip):
     r, full = round_trip["students"]["wrong"], round_trip["students"]["correct"]
     assert r.score < full.score, f"a wrong {round_trip['target']} still got {r.score}/{r.max_score}"
     if len([k for k in r.grades]) > 2:  # more than one exercise: the others still count
@@ -136,14 +147,14 @@ def test_wrong_gets_partial_marks(round_trip):
     assert not r.timed_out
 
 
-def test_tampering_gains_nothing(round_trip):
+def tampering_gains_nothing(round_trip):
     tampered, wrong = round_trip["students"]["tampered"], round_trip["students"]["wrong"]
     assert tampered.grades == wrong.grades, "editing the locked test cells changed the grades"
     assert tampered.score == wrong.score
     assert "checksum" in tampered.log and "has changed" in tampered.log, "nbgrader did not notice the edited tests"
 
 
-def test_infinite_loop_times_out_and_grading_completes(round_trip):
+def infinite_loop_times_out_and_grading_completes(round_trip):
     r, full = round_trip["students"]["loop"], round_trip["students"]["correct"]
     assert r.success
     assert r.timed_out, f"no cell recorded a {course.TIMEOUT_ERROR}: {r.grades}"
@@ -152,8 +163,38 @@ def test_infinite_loop_times_out_and_grading_completes(round_trip):
     assert r.score >= round_trip["students"]["wrong"].score, (r.grades, round_trip["students"]["wrong"].grades)
 
 
-def test_round_trip_fits_ci(round_trip):
+def library_answer_scores_nothing_and_says_why(round_trip):
+    r, full = round_trip["students"]["library"], round_trip["students"]["correct"]
+    lost = {k: v for k, v in r.grades.items() if v[0] != v[1]}
+    assert lost and all(v[0] == 0 for v in lost.values()), f"llmu's own kernel was not refused: {r.grades}"
+    assert r.score == full.score - sum(v[1] for v in lost.values()) > 0, r.grades
+    graded = Path(round_trip["root"]) / "autograder" / "autograded" / "library" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb"
+    outputs = " ".join(o.get("evalue", "") for c in nbformat.read(str(graded), as_version=4).cells
+                       if course.is_test(c) for o in c.get("outputs", []))
+    assert "a ready-made answer to this exercise" in outputs, "the graded notebook does not say why"
+
+
+def round_trip_fits_ci(round_trip):
     assert round_trip["seconds"] < DEADLINE_S
     ag = Path(round_trip["root"])  # the temporary course directory was kept (workdir given)
     for s in round_trip["students"]:
         assert (ag / "autograder" / "autograded" / s / ASSIGNMENT / f"{ASSIGNMENT}.ipynb").is_file()
+
+
+PROPERTIES = (grading_completes_for_everyone, correct_gets_full_marks, wrong_gets_partial_marks,
+              tampering_gains_nothing, infinite_loop_times_out_and_grading_completes,
+              library_answer_scores_nothing_and_says_why, round_trip_fits_ci)
+
+
+def test_autograde_round_trip(tmp_path_factory):
+    """One test for the round trip (it takes a minute of CPU; as several tests sharing a fixture it
+    ran once on each pytest-xdist worker that drew one of them). Every property is checked, and each
+    that fails is reported by name."""
+    round_trip = _round_trip(tmp_path_factory)
+    failures = []
+    for prop in PROPERTIES:
+        try:
+            prop(round_trip)
+        except AssertionError as exc:
+            failures.append(f"{prop.__name__.replace('_', ' ')}: {exc}")
+    assert not failures, "\n\n".join(failures)

@@ -72,3 +72,38 @@ def test_notebook_exercises_run_solutions_and_catch_wrong_answers(tmp_path):
 def test_notebook_exercises_name_missing_cells(tmp_path):
     with pytest.raises(KeyError, match="no cells"):
         course.NotebookExercises(_notebook(tmp_path, CELLS), {"ex9": course.Exercise.numbered(9)})
+
+
+OWN = ("### BEGIN HIDDEN TESTS\nfrom llmu.grading import check_own_work\n"
+       "check_own_work(my_softmax, 'llmu.attention.reference.softmax', what='ex1')\n### END HIDDEN TESTS\n")
+OWN_CELLS = {
+    "setup": "import torch\nfrom llmu.runtime import environment\nprint(environment())",
+    "ex1_solution": "def my_softmax(x, dim=-1):\n    e = (x - x.amax(dim, keepdim=True)).exp()\n    return e / e.sum(dim, keepdim=True)",
+    "test_ex1_visible": OWN + "assert torch.allclose(my_softmax(torch.ones(3)), torch.ones(3) / 3), 'uniform'",
+    "test_ex1_hidden": OWN + "assert my_softmax(torch.tensor([0.0, 1e4]))[1] == 1, 'large scores'",
+}
+
+
+def test_a_library_answer_is_refused_by_every_test_cell(tmp_path):
+    with course.NotebookExercises(_notebook(tmp_path, OWN_CELLS), {"ex1": course.Exercise.numbered(1)}) as nb:
+        nb.check_solution("ex1", tmp_path)
+        assert nb.own_work_calls("ex1")["test_ex1_visible"] == [("my_softmax", ("'llmu.attention.reference.softmax'",))]
+        tried = nb.check_library_answer_fails("ex1", tmp_path)
+        assert tried == ["my_softmax = 'llmu.attention.reference.softmax' (alias)",
+                         "my_softmax = 'llmu.attention.reference.softmax' (wrapper)"]
+
+
+def test_a_test_cell_without_the_own_work_check_is_named(tmp_path):
+    cells = dict(OWN_CELLS, test_ex1_hidden="assert my_softmax(torch.tensor([0.0, 1e4]))[1] == 1, 'large scores'")
+    with course.NotebookExercises(_notebook(tmp_path, cells), {"ex1": course.Exercise.numbered(1)}) as nb:
+        with pytest.raises(AssertionError, match=r"\['test_ex1_hidden'\] never call check_own_work"):
+            nb.check_library_answer_fails("ex1", tmp_path)
+
+
+def test_an_own_work_check_that_comes_too_late_is_named(tmp_path):
+    # the cell's visible check passes on the library's answer; a check after a failing one never runs
+    late = "assert my_softmax(torch.ones(2))[0] == 0, 'wrong on purpose'\n" + OWN
+    cells = dict(OWN_CELLS, test_ex1_hidden=late)
+    with course.NotebookExercises(_notebook(tmp_path, cells), {"ex1": course.Exercise.numbered(1)}) as nb:
+        with pytest.raises(AssertionError, match="test_ex1_hidden failed with AssertionError before its own-work check"):
+            nb.check_library_answer_fails("ex1", tmp_path)

@@ -197,3 +197,18 @@ def test_nbgrader_metadata(path):
     first_code = next(_src(c) for c in nb["cells"] if c["cell_type"] == "code")
     assert "import llmu" in first_code and "environment()" in first_code, \
         f"{name}: the first code cell must be the setup cell (import llmu; print(environment()))"
+
+
+OWN_WORK = re.compile(rf"^{re.escape(course.BEGIN_HIDDEN)}\n(?:.*\n)*?check_own_work\(\w+, .+\n(?:.*\n)*?{re.escape(course.END_HIDDEN)}\n")
+
+
+@pytest.mark.parametrize("src", SOURCES, ids=_ids(SOURCES))
+def test_every_test_cell_opens_with_the_own_work_check(src):
+    """Every autograded test cell starts with a hidden ``check_own_work`` naming llmu's answers to its
+    exercise, so that handing back the library's function scores nothing (each module's notebook
+    tests hand it back and see every cell refuse it)."""
+    nb = _load(src)
+    missing = [course.nbgrader_meta(c).get("grade_id") for c in nb["cells"]
+               if course.is_test(c) and not OWN_WORK.match(_src(c))]
+    assert not missing, (f"{src.parent.name}: test cells {missing} do not open with a hidden own-work check "
+                         "(### BEGIN HIDDEN TESTS / check_own_work(submission, answer, ..., what=...) / ### END HIDDEN TESTS)")

@@ -88,6 +88,38 @@ def test_validate_source_passes_release_fails(tmp_path):
     assert course.validate(released, root=root, invert=True) == {}, "a graded cell passes on the stubs"
 
 
+def test_validate_executed_judges_the_outputs_a_notebook_holds(tmp_path):
+    """A notebook run elsewhere (saved from JupyterLab) is judged from its outputs, not run again:
+    the verdicts equal those of running it, and an error output in a graded cell is a failure."""
+    root = _course_root(tmp_path)
+    course.release(root=root, db=False)
+    for path, invert in [(root / "solutions" / AID / f"{AID}.ipynb", False), (root / "course" / AID / f"{AID}.ipynb", True)]:
+        run = course.execute_and_validate(path, root=root, invert=invert)
+        saved = tmp_path / f"saved-{path.parent.parent.name}.ipynb"
+        nbformat.write(run.notebook, str(saved))
+        assert course.validate_executed(saved, root=root, invert=invert) == run.results == {}
+    stubs = course.execute_and_validate(root / "course" / AID / f"{AID}.ipynb", root=root)
+    nbformat.write(stubs.notebook, str(tmp_path / "stubs.ipynb"))
+    failed = course.validate_executed(tmp_path / "stubs.ipynb", root=root)["failed"]
+    assert len(failed) == 2 and all("NotImplementedError" in f["raw_error"] for f in failed)
+    # not run again: a notebook without outputs has nothing that failed
+    assert course.validate_executed(root / "course" / AID / f"{AID}.ipynb", root=root) == {}
+
+
+def test_the_memory_probe_and_cell_timings_are_read_back(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    nb.cells.append(nbformat.v4.new_code_cell("x = 1"))
+    path = tmp_path / "nb.ipynb"
+    nbformat.write(nb, str(path))
+    course.add_memory_probe(path)
+    run = course.execute_and_validate(path, root=tmp_path)
+    assert 10 < course.peak_rss_mb(run.notebook) < 4096
+    assert 0 <= course.cell_seconds(run.notebook.cells[0]) < 60
+    assert course.cell_seconds(nbformat.v4.new_code_cell("y = 2")) is None
+    with pytest.raises(ValueError, match="printed nothing"):
+        course.peak_rss_mb(nb)
+
+
 @pytest.mark.slow
 @pytest.mark.notebooks
 def test_grade_command_and_release_rollback(tmp_path, monkeypatch, capsys):

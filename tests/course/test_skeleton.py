@@ -7,6 +7,7 @@ notebook: each kind of mistake must be reported.
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from pathlib import Path
@@ -197,3 +198,28 @@ def test_code_links_follow_the_imports(tmp_path):
     assert course.apply_skeleton(path) is True
     assert course.apply_skeleton(path) is False
     assert "`BlockManager`" in nbformat.read(str(path), as_version=4).cells[-1].source
+
+
+def _readme_rows() -> dict[str, list[str]]:
+    readme = (ROOT / "README.md").read_text()
+    rows = {}
+    for line in readme.splitlines():
+        m = re.match(r"\| `(\d\d_\w+)` \|(.*)", line)
+        if m:
+            rows[m.group(1)] = [c.strip() for c in m.group(2).split(" | ")]
+    return rows
+
+
+def test_readme_credits_the_learner_with_what_the_learner_writes():
+    """The README's "what you write" column names a Triton kernel exactly for the notebooks whose
+    graded solutions include one; what the learner only reads (llmu's kernels) goes in the next column."""
+    rows = _readme_rows()
+    assert sorted(rows) == sorted(p.parent.name for p in SOURCES), "one README row per notebook"
+    for p in SOURCES:
+        nb = json.loads(p.read_text())
+        writes_kernel = any(course.is_solution(c) and "@triton.jit" in "".join(c["source"]) for c in nb["cells"])
+        written = rows[p.parent.name][0]
+        mentions = "triton" in written.lower() and "kernel" in written.lower()
+        assert mentions == writes_kernel, (
+            f"README, {p.parent.name}: 'what you write' = {written!r}, but the learner "
+            f"{'writes' if writes_kernel else 'writes no'} Triton kernel there")

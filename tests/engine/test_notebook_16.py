@@ -57,13 +57,82 @@ WRONG = {
 
 # The exercise file's two tests: every solution passes its test cells; every wrong answer is
 # caught by the test cell named for it (cell metadata is checked in tests/course/test_notebooks.py).
-notebook, test_solutions_pass_all_tests, test_wrong_answers_fail = course.exercise_tests(
+(notebook, test_solutions_pass_all_tests, test_wrong_answers_fail,
+ test_library_answers_fail) = course.exercise_tests(
     NOTEBOOK, EXERCISES, WRONG)
 
 
 def test_hidden_tests_are_not_in_the_visible_part(notebook):
-    """Each hidden test cell runs a visible check first, then the hidden block."""
+    """Each hidden test cell runs a visible check first, then the hidden block (after the hidden
+    own-work check that opens every test cell)."""
     for name in ("test_ex1_hidden", "test_ex2_hidden", "test_ex3_hidden"):
-        before, _, after = notebook.cells[name].partition(course.BEGIN_HIDDEN)
+        own, _, rest = notebook.cells[name].partition(course.END_HIDDEN)
+        assert "check_own_work(" in own, f"{name} does not open with the own-work check"
+        before, _, after = rest.partition(course.BEGIN_HIDDEN)
         assert after, f"{name} has no hidden block"
         assert "check" in before, f"{name}: the learner should see at least one check before the hidden block"
+
+
+# What the notebook's prose states, checked against llmu's code and the course's order.
+
+def _prose(grade_id: str) -> str:
+    """A cell's text with its line breaks folded into spaces."""
+    return " ".join(course.cells_by_grade_id(NOTEBOOK)[grade_id].split())
+
+
+def test_quantization_and_speculative_decoding_come_before_this_module():
+    text = _prose("next_md")
+    assert text.startswith("## 7 · Where quantization and speculative decoding fit")
+    assert "Two modules you have already done, 10 and 11," in text and "later" not in text
+    assert "**Quantized weights (module 10).**" in text and "**Speculative decoding (module 11).**" in text
+    assert "7 · where quantization and speculative decoding fit" in _prose("intro")
+
+
+def test_the_draft_length_is_gamma():
+    text = _prose("next_md")
+    assert "proposes $\\gamma$ tokens" in text and "$\\gamma + 1$ positions" in text and "$k" not in text
+
+
+def test_the_gpu_size_of_the_serving_entry():
+    import inspect
+
+    from llmu.engine.bench import SERVING, measure_serving
+
+    size = SERVING.gpu_sizes[0]
+    prompt_min = size.get("prompt_min", inspect.signature(measure_serving).parameters["prompt_min"].default)
+    text = _prose("bench_md")
+    assert (f"{size['requests']} requests, each a shared {size['shared_prefix']}-token prefix followed by "
+            f"{prompt_min} to {size['prompt_max']} random tokens and asking for {size['new_min']} to "
+            f"{size['new']} new tokens") in text
+
+
+def test_section_3_schedules_as_the_prose_says():
+    # section 3's workload, scheduled without a model (timeline.simulate runs the engine's own
+    # Scheduler and BlockManager; with end-of-sequence ignored the schedule is the real run's)
+    import torch
+
+    from llmu.engine import timeline
+    from llmu.engine.bench import serving_workload
+
+    prompts = serving_workload(49152, requests=12, prompt_min=8, prompt_max=48, shared_prefix=16, seed=0)
+    news = torch.randint(4, 25, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    common = dict(num_blocks=4 * 96 // 16 + 1, max_model_len=96)
+    runs = {name: timeline.summary(timeline.simulate(prompts, news, **common, **kw)) for name, kw in {
+        "static": dict(max_num_seqs=4, policy="static", prefix_caching=False),
+        "contiguous": dict(max_num_seqs=12, reserve="context", prefix_caching=False),
+        "paged": dict(max_num_seqs=12, prefix_caching=False),
+        "prefix": dict(max_num_seqs=12, prefix_caching=True)}.items()}
+    summary = _prose("summary")
+    assert (f"needed {runs['contiguous']['steps']} steps instead of static batching's "
+            f"{runs['static']['steps']}") in summary
+    assert f"the paged cache ran {runs['paged']['peak_running']} requests at once" in summary
+    # prefix caching: the requests admitted with the first one compute the prefix themselves, and
+    # in a run this small the steps and the peak do not change
+    first = timeline.simulate(prompts, news, **common, max_num_seqs=12, prefix_caching=True)[0]
+    assert len(first.work) > 1 and first.cached_tokens == 0
+    assert 0 < runs["prefix"]["cached_tokens"] < 16 * 11
+    assert (runs["prefix"]["steps"], runs["prefix"]["peak_running"]) == (runs["paged"]["steps"],
+                                                                          runs["paged"]["peak_running"])
+    text = _prose("measure_read")
+    assert "request admitted after the prefix's block was first computed" in text
+    assert "the steps and the peak stay those of the paged row" in text

@@ -9,8 +9,13 @@ compiled from a file (``course.exec_cell``): Triton reads a kernel's source back
 
 from __future__ import annotations
 
+import json
+import math
+import re
+
 import llmu  # noqa: F401  (Triton mode first: the exercise kernel is defined below)
 from llmu import course
+from llmu.mamba import picture
 
 NOTEBOOK = course.repo_root() / "solutions" / "13_mamba" / "13_mamba.ipynb"
 
@@ -72,5 +77,52 @@ WRONG = {
 
 # The exercise file's two tests: every solution passes its test cells; every wrong answer is
 # caught by the test cell named for it (cell metadata is checked in tests/course/test_notebooks.py).
-notebook, test_solutions_pass_all_tests, test_wrong_answers_fail = course.exercise_tests(
+(notebook, test_solutions_pass_all_tests, test_wrong_answers_fail,
+ test_library_answers_fail) = course.exercise_tests(
     NOTEBOOK, EXERCISES, WRONG)
+
+
+# The figures the notebook's prose states, recomputed here: each test fails if the prose drifts
+# from what the shapes or llmu's code give.
+
+def _prose(grade_id: str) -> str:
+    """A cell's text with its line breaks folded into spaces."""
+    return " ".join(course.cells_by_grade_id(NOTEBOOK)[grade_id].split())
+
+
+def test_expanded_scan_tensors_are_stated_at_their_size():
+    # section 5's Mamba-370M-like layer: E = 2048 channels, N = 16, batch 8, 2048 tokens
+    batch, channels, length, state = 8, 2048, 2048, 16
+    text = _prose("chunk_md")
+    assert f"$E = {channels}$ channels, $N = {state}$) at batch {batch} and {length} tokens" in text
+    each = batch * channels * length * state * 4             # one float32 (batch, E, L, N) tensor
+    inputs = 4 * batch * channels * length * 2               # u, Δ, z and out in bf16
+    assert f"= {each / 1e9:.1f} GB, {2 * each / 1e9:.1f} GB for both" in text
+    assert f"= {inputs / 1e6:.0f} MB" in text
+
+
+def test_scan_combine_counts_in_the_self_check(monkeypatch):
+    calls = []
+    real = picture.combine
+    monkeypatch.setattr(picture, "combine", lambda left, right: calls.append(1) or real(left, right))
+    L = 1024
+    rounds = picture.blelloch_rounds([0.5] * L, [1.0] * L)
+    total, sweeps = len(calls), len(calls) - L                # the last round combines each position once
+    sweep_rounds = len(rounds) - 3                             # minus the input, the reset and the last round
+    hillis_steele = sum(L - 2 ** k for k in range(int(math.log2(L))))
+    text = _prose("self_check")
+    assert f"{sweeps} in $2\\log_2 L = {sweep_rounds}$ rounds" in text
+    assert f"$3L - 2 = {total}$" in text
+    assert f"= {hillis_steele}$ combines in {int(math.log2(L))} rounds" in text
+
+
+def test_batch_and_channels_have_their_own_letters():
+    # B is the SSM's input matrix and D its skip: neither names the batch or the channels
+    nb = json.loads(NOTEBOOK.read_text())
+    for cell in nb["cells"]:
+        text = "".join(cell["source"])
+        assert "(B, D" not in text and "(B, N, L)" not in text, text[:80]
+        if cell["cell_type"] != "markdown":
+            continue
+        for formula in re.findall(r"\$[^$]+\$", text):
+            assert not re.search(r"\((B|D)\s*,|,\s*(B|D)\s*[,)]|\bD = \d", formula), formula

@@ -60,5 +60,42 @@ WRONG = {
 
 # The exercise file's two tests: every solution passes its test cells; every wrong answer is
 # caught by the test cell named for it (cell metadata is checked in tests/course/test_notebooks.py).
-notebook, test_solutions_pass_all_tests, test_wrong_answers_fail = course.exercise_tests(
+(notebook, test_solutions_pass_all_tests, test_wrong_answers_fail,
+ test_library_answers_fail) = course.exercise_tests(
     NOTEBOOK, EXERCISES, WRONG)
+
+
+# -- the figures the prose states, recomputed from llmu.moe (no model) ----------------------------
+
+def _prose(grade_id):
+    """A cell's text with its line breaks and indentation folded into single spaces."""
+    return " ".join(course.cells_by_grade_id(NOTEBOOK)[grade_id].split())
+
+
+def test_smollm2_with_eight_experts_stated():
+    from llmu.moe import params
+
+    dense, moe = params.SMOLLM2_135M, params.with_experts(params.SMOLLM2_135M, 8, 2)
+    c0, c1 = params.count_parameters(dense), params.count_parameters(moe)
+    f0, f1 = params.flops_per_token(dense, context=1024), params.flops_per_token(moe, context=1024)
+    assert abs(f1["attention"] - f0["attention"]) < 1e-6 * f0["attention"]     # attention costs both the same
+    assert (f"it stores {c1.total / c0.total:.1f} times the parameters, while each token multiplies with "
+            f"{c1.active / c0.active:.1f} times as many weights ({f1['total'] / f0['total']:.1f} times the FLOPs "
+            "at 1,024 tokens of context") in _prose("smol_md")                 # 5.1, 1.6, 1.5
+
+
+def test_drops_of_an_unskewed_router_stated():
+    import math
+
+    import torch
+
+    from llmu.moe import reference
+
+    cell = course.cells_by_grade_id(NOTEBOOK)["capacity_picture"]
+    ns = {"torch": torch, "math": math}
+    exec(cell.split("\n\ndef ")[0], ns)  # noqa: S102 - the notebook's own demo inputs (seeded)
+    copies = ns["T_demo"] * 2
+    dropped = {cf: reference.route(ns["x_demo"], ns["router_demo"], 2, capacity_factor=cf).num_dropped
+               for cf in (1.0, 1.25)}
+    assert dropped[1.25] == 0
+    assert f"a factor of 1 drops {dropped[1.0]} of the {copies:,} copies, 1.25 none" in _prose("capacity_read")

@@ -70,7 +70,55 @@ WRONG = {
 }
 
 
-# The exercise file's two tests: every solution passes its test cells; every wrong answer is
-# caught by the test cell named for it (cell metadata is checked in tests/course/test_notebooks.py).
-notebook, test_solutions_pass_all_tests, test_wrong_answers_fail = course.exercise_tests(
+# The exercise file's tests: every solution passes its test cells; every wrong answer is caught
+# by the test cell named for it; llmu's own answer fails every test cell of its exercise (cell
+# metadata is checked in tests/course/test_notebooks.py).
+(notebook, test_solutions_pass_all_tests, test_wrong_answers_fail,
+ test_library_answers_fail) = course.exercise_tests(
     NOTEBOOK, EXERCISES, WRONG, on_kernel_device=True)
+
+
+# -- the figures the prose states, recomputed from llmu.paged.waste (no model) -------------------
+
+def _prose(grade_id):
+    """A cell's text with its line breaks and indentation folded into single spaces."""
+    return " ".join(course.cells_by_grade_id(NOTEBOOK)[grade_id].split())
+
+
+def test_workload_lengths_stated():
+    import inspect
+    import math
+
+    from llmu.paged import waste
+
+    requests = waste.workload(64, seed=0)
+    prompts = [r.prompt_len for r in requests]
+    outputs = [r.output_len for r in requests]
+    defaults = inspect.signature(waste.workload).parameters
+    z = 1.6448536269514722          # the 95th percentile of a standard normal: 90 % lie within +-z
+
+    def band(median, sigma):
+        return [round(defaults[median].default * math.exp(s * z * defaults[sigma].default), -1) for s in (-1, 1)]
+
+    (p_lo, p_hi), (o_lo, o_hi) = band("prompt_median", "prompt_sigma"), band("output_median", "output_sigma")
+    text = _prose("waste_md")
+    assert (f"around a median of {defaults['prompt_median'].default:.0f} tokens (90 % of them between about "
+            f"{p_lo:.0f} and {p_hi:.0f}; the 64 drawn here run from {min(prompts)} to {max(prompts)})") in text
+    assert (f"answers around a median of {defaults['output_median'].default:.0f} (90 % between {o_lo:.0f} and "
+            f"{o_hi:.0f}; here from {min(outputs)} to {max(outputs)})") in text
+
+
+def test_paged_run_length_stated():
+    from llmu.paged import waste
+
+    requests = waste.workload(64, seed=0)
+    (paged,) = waste.compare(requests, policies=["paged"], budget=16384)
+    longest = max(r.output_len for r in requests)
+    assert paged.num_steps == 1 + longest
+    assert (f"finishes in {paged.num_steps} steps (one prefill step, then one step for each of the {longest} "
+            "tokens of its longest answer)") in _prose("waste_read")
+
+
+def test_internal_fragmentation_example_stated():
+    assert f"stops at 400 positions (prompt and answer) in a slab of 2048 leaves {2048 - 400} positions empty" \
+        in _prose("idea_md")

@@ -9,8 +9,12 @@ course-wide notebook tests.
 
 from __future__ import annotations
 
+import math
+
 import llmu  # noqa: F401
 from llmu import course
+from llmu.moe.params import count_parameters
+from llmu.parallel import comm, memory
 
 NOTEBOOK = course.repo_root() / "solutions" / "14_parallelism" / "14_parallelism.ipynb"
 
@@ -60,5 +64,47 @@ WRONG = {
 
 # The exercise file's two tests: every solution passes its test cells; every wrong answer is
 # caught by the test cell named for it (cell metadata is checked in tests/course/test_notebooks.py).
-notebook, test_solutions_pass_all_tests, test_wrong_answers_fail = course.exercise_tests(
+(notebook, test_solutions_pass_all_tests, test_wrong_answers_fail,
+ test_library_answers_fail) = course.exercise_tests(
     NOTEBOOK, EXERCISES, WRONG)
+
+
+# The figures the notebook's prose states, recomputed here from llmu.parallel's calculator and cost
+# model: each test fails if the prose drifts from what the code gives.
+
+def _prose(grade_id: str) -> str:
+    """A cell's text with its line breaks folded into spaces."""
+    return " ".join(course.cells_by_grade_id(NOTEBOOK)[grade_id].split())
+
+
+def test_the_7b_model_on_one_gpu():
+    m = memory.training_memory(memory.LLAMA2_7B, seq_len=4096, micro_batch=1, recompute="selective")
+    h100, h200 = memory.GPU_MEMORY_GB["H100 SXM"], memory.GPU_MEMORY_GB["H200"]
+    assert h100 < m["total"] / 1e9 < h200                   # too much for an H100, most of an H200
+    text = _prose("memory_widget_md")
+    assert f"its bf16 weights take {m['params'] / 1e9:.1f} GB" in text
+    assert f"needs {m['total'] / 1e9:.0f} GB (the table's total), more than an H100's {h100} GB" in text
+    assert f"most of an H200's {h200} GB" in text
+
+
+def test_the_405b_layout_in_memory_and_communication():
+    shape, h100 = memory.LLAMA31_405B, memory.GPU_MEMORY_GB["H100 SXM"]
+    layout = dict(seq_len=8192, micro_batch=1, data_parallel=128, tensor_parallel=8, pipeline_parallel=16,
+                  micro_batches=16, recompute="selective")
+    totals = [memory.training_memory(shape, zero_stage=stage, **layout)["total"] / 1e9 for stage in range(4)]
+    assert totals[3] < totals[2] <= h100 < totals[1] < totals[0]   # ZeRO-2 just fits, ZeRO-1 does not
+    text = _prose("three_d_read")
+    assert f"the first stage needs {totals[3]:.0f} GB of an H100's {h100}" in text
+    # section 9's estimate: TP's four all-reduces of one bf16 activation per layer, against the layer's compute
+    psi = count_parameters(shape).total
+    s, b, h, t = 8192, 1, shape.hidden_size, 8
+    per_layer = (psi - 2 * shape.vocab_size * h) / shape.num_hidden_layers
+    compute = 6 * per_layer * s * b / t / 400e12
+    shares = [4 * comm.ring_all_reduce_time(s * b * h * 2, t, link) / compute
+              for link in (comm.NVLINK4, comm.INFINIBAND_NDR)]
+    assert f"cost {shares[0]:.0%} of the compute on NVLink and {shares[1]:.0%} on InfiniBand".replace("%", " %") in text
+
+
+def test_sequence_length_is_T():
+    text = _prose("memory_md")
+    assert "for sequence length $T$" in text and "sbh" not in text and "5\\,a\\,T" in text

@@ -1,8 +1,8 @@
 """Notebook 10's graded exercises, run in-process (no kernel): the instructor's solutions pass every
 test cell, hidden parts included, and typical wrong answers fail them.
 
-The exercise cells read the setup cell's model and the ``weights`` dictionary of the number-line
-cell, so both run once for the module. The whole notebook (plots, perplexity table, model cells,
+The test cells take their SmolLM2 matrices from the setup cell's model, which loads once for the
+module; no demonstration cell runs here. The whole notebook (plots, perplexity table, model cells,
 benchmark) is executed by the course-wide notebook tests. The int4 GEMV kernel's cells move their
 tensors to ``kernel_device()`` themselves (``gemv_inputs`` in the launcher cell).
 """
@@ -66,5 +66,6 @@ WRONG = {
 
 # The exercise file's two tests: every solution passes its test cells; every wrong answer is
 # caught by the test cell named for it (cell metadata is checked in tests/course/test_notebooks.py).
-notebook, test_solutions_pass_all_tests, test_wrong_answers_fail = course.exercise_tests(
-    NOTEBOOK, EXERCISES, WRONG, setup_cells=["numberline"])
+(notebook, test_solutions_pass_all_tests, test_wrong_answers_fail,
+ test_library_answers_fail) = course.exercise_tests(
+    NOTEBOOK, EXERCISES, WRONG)

@@ -35,5 +35,52 @@ WRONG = {
 
 # The exercise file's two tests: every solution passes its test cells; every wrong answer is
 # caught by the test cell named for it (cell metadata is checked in tests/course/test_notebooks.py).
-notebook, test_solutions_pass_all_tests, test_wrong_answers_fail = course.exercise_tests(
+(notebook, test_solutions_pass_all_tests, test_wrong_answers_fail,
+ test_library_answers_fail) = course.exercise_tests(
     NOTEBOOK, EXERCISES, WRONG)
+
+
+# The figures the notebook's prose states, recomputed from llmu's code and SmolLM2's config (no model).
+
+def _prose(grade_id: str) -> str:
+    return course.cells_by_grade_id(NOTEBOOK)[grade_id]
+
+
+def test_decode_reads_the_weights_and_a_small_cache():
+    """Section 5: SmolLM2's fp32 weights, and the cache the longest prompt (256 + 8 new tokens) leaves."""
+    import torch
+
+    from llmu.kvcache.reference import kv_cache_bytes
+    from llmu.models import LlamaConfig
+
+    c = LlamaConfig()
+    weights = c.num_parameters() * 4
+    per_token = kv_cache_bytes(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 1, 1, torch.float32)
+    cache = per_token * (256 + 8)
+    text = _prose("latency_read")
+    assert f"{weights / 1e6:.0f} MB" == "538 MB" and "reads all 538 MB of fp32 weights" in text
+    assert per_token == 46_080 and "46,080 bytes each in fp32" in text
+    assert f"{cache / 1e6:.0f} MB" == "12 MB" and round(100 * cache / weights) == 2
+    assert "12 MB, about 2 % of the weights" in text and "a few MB" not in text
+
+
+def test_large_gemv_weights():
+    """Section 6: the fp32 bytes of the sweep's matrices larger than a last-level cache."""
+    import ast
+    import re
+
+    shapes = ast.literal_eval(re.search(r"^SHAPES = (.*)$", _prose("gemv_sweep"), re.M).group(1))
+    large = sorted(n * k * 4 for n, k in shapes if n * k * 4 > 32e6)
+    assert (f"{large[0] / 1e6:.0f}", f"{large[-1] / 1e6:.0f}") == ("67", "134")
+    assert "the large matrices (67 to 134 MB in fp32" in _prose("gemv_read")
+
+
+def test_softmax_intensity():
+    """Self-check 3: softmax's intensity in bf16, as the benchmark registry counts it."""
+    from llmu.bench.registry import load_all
+
+    entry = load_all()["softmax_rows"]
+    for size in entry.gpu_sizes:
+        assert entry.flops(size) / entry.bytes(size, 2) == 1.25
+    text = _prose("self_check")
+    assert "1.25 FLOP/byte at any size" in text and "about 1.5 FLOP/byte" not in text

@@ -66,7 +66,8 @@ WRONG = {
 
 # The exercise file's two tests: every solution passes its test cells; every wrong answer is
 # caught by the test cell named for it (cell metadata is checked in tests/course/test_notebooks.py).
-notebook, test_solutions_pass_all_tests, test_wrong_answers_fail = course.exercise_tests(
+(notebook, test_solutions_pass_all_tests, test_wrong_answers_fail,
+ test_library_answers_fail) = course.exercise_tests(
     NOTEBOOK, EXERCISES, WRONG)
 
 
@@ -97,3 +98,43 @@ def test_recorded_runs_fit_the_notebook():
         inspect.signature(fn).bind(None, None, [], 1, **rec["settings"][name])   # raises on a stale key
     for key in ("date", "environment", "threads", "seconds"):
         assert key in rec
+
+
+# The figures the notebook's prose states, recomputed from llmu's code, SmolLM2's config and the
+# recorded runs (no model).
+
+def _prose(grade_id: str) -> str:
+    return course.cells_by_grade_id(NOTEBOOK)[grade_id]
+
+
+def test_logit_memory_at_eight_sequences_of_4096():
+    """Section 3: the logits and their gradient at N = 8 x 4096, the naive column of the table's last
+    row, and what the chunked path adds there."""
+    from llmu.training.cross_entropy import memory_bytes
+
+    assert "for n in (512, 2048, 8192, 32768):" in _prose("memory_live")    # the table's last row is 8 x 4096
+    f = memory_bytes(8 * 4096, 576, 49152, vocab_chunk=16384)
+    text = _prose("memory_read")
+    assert f"{2 * f['logits'] / 1e9:.0f} GB" == "13 GB" and "about\n13 GB for the logits and their gradient" in text
+    assert f"{f['naive'] / 2**20:.0f} MiB" == "18432 MiB" and "18432 MiB" in text
+    assert f"{f['chunked'] / 2**20:.0f} MiB" == "133 MiB" and "the chunked path adds about 133 MiB" in text
+    assert "a few tens of MiB" not in text
+
+
+def test_smollm2_float32_weights():
+    """Section 4: SmolLM2-135M's float32 weights (the tied embedding counted once)."""
+    from llmu.models import LlamaConfig
+
+    n = LlamaConfig().num_parameters()
+    assert n == 134_515_008 and f"{n * 4 / 1e6:.0f} MB" == "538 MB"
+    assert "about 538 MB" in _prose("sft_run_md")
+
+
+def test_live_dpo_pairs_per_micro_batch():
+    """Section 5: the live DPO steps take one pair at a time where the recorded run took 2."""
+    from llmu.data import json as data_json
+
+    settings = data_json("training_runs")["settings"]["dpo"]
+    assert settings["batch_pairs"] == 4 and settings["micro_pairs"] == 2
+    assert '"micro_pairs": 1' in _prose("dpo_live")
+    assert "(4 pairs a step, taken one at a time where the\nrecorded run took 2)" in _prose("dpo_run_md")

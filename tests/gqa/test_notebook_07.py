@@ -1,0 +1,127 @@
+"""Notebook 07's graded exercises, run in-process (no kernel, no model): the instructor's solutions
+pass every test cell, hidden parts included, typical wrong answers fail the cell named for them,
+and llmu's own ``pool_kv_heads``, ``mla_absorbed_scores`` or ``kv_bytes_per_token`` handed back as
+an answer scores nothing.
+
+The exercises are ``ex1`` (mean-pooling KV heads), ``ex2`` (the absorbed MLA score, which its
+test cell checks on MLA layers it builds itself: random float64 weights, no model) and ``ex3``
+(KV bytes per token). The whole notebook (SmolLM2's perplexity after pooling, the kernel demo, the
+benchmark) is executed by the course-wide notebook tests.
+"""
+
+from __future__ import annotations
+
+import llmu  # noqa: F401
+from llmu import course
+
+NOTEBOOK = course.repo_root() / "solutions" / "07_gqa_mqa_mla" / "07_gqa_mqa_mla.ipynb"
+
+
+EXERCISES = {
+    "ex1": course.Exercise.numbered(1),
+    "ex2": course.Exercise("ex2_solution", ("test_ex2",)),
+    "ex3": course.Exercise("ex3_solution", ("test_ex3",)),
+}
+
+
+def test_setup_cell_loads_no_model(notebook):
+    """The exercises must run without the model: the setup cell only imports."""
+    assert "load_model(" not in notebook.cells["setup"]
+
+
+WRONG = {
+    # case: (exercise, replaced text, replacement, the test cell that must catch it)
+    "ex1: first head kept, not the mean": ("ex1", ".mean(dim=1)", "[:, 0]", "test_ex1_visible"),
+    "ex1: heads summed": ("ex1", ".mean(dim=1)", ".sum(dim=1)", "test_ex1_visible"),
+    "ex1: strided groups (heads j, j + new, ...)": (
+        "ex1", "w.reshape(new_kv_heads, r, head_dim, w.shape[1]).mean(dim=1)",
+        "w.reshape(r, new_kv_heads, head_dim, w.shape[1]).mean(dim=0)", "test_ex1_hidden"),
+    "ex1: no divisibility check": ("ex1", "if new_kv_heads <= 0 or n_kv_heads % new_kv_heads:",
+                                   "if new_kv_heads <= 0:", "test_ex1_hidden"),
+    "ex2: RoPE part left out": ("ex2", "(content + rope) * scale", "content * scale", "test_ex2"),
+    "ex2: no scale": ("ex2", "(content + rope) * scale", "content + rope", "test_ex2"),
+    "ex2: scale on the content part only": ("ex2", "(content + rope) * scale", "content * scale + rope", "test_ex2"),
+    "ex3: MLA counted twice (K and V)": ("ex3", '"MLA": latent_dim + rope_dim', '"MLA": 2 * (latent_dim + rope_dim)',
+                                        "test_ex3"),
+    "ex3: MLA without the RoPE key": ("ex3", '"MLA": latent_dim + rope_dim', '"MLA": latent_dim', "test_ex3"),
+    "ex3: MHA without the factor 2": ("ex3", '"MHA": 2 * heads * head_dim', '"MHA": heads * head_dim', "test_ex3"),
+    "ex3: GQA counted as MHA": ("ex3", '"GQA": 2 * kv_heads * head_dim', '"GQA": 2 * heads * head_dim', "test_ex3"),
+    "ex3: MQA with kv_heads": ("ex3", '"MQA": 2 * head_dim', '"MQA": 2 * kv_heads * head_dim', "test_ex3"),
+    "ex3: one layer": ("ex3", "return layers * per_layer * bytes_per_value", "return per_layer * bytes_per_value",
+                       "test_ex3"),
+}
+
+
+# The exercise file's tests: every solution passes its test cells; every wrong answer is caught by
+# the test cell named for it; llmu's own answer fails every test cell (cell metadata is checked in
+# tests/course/test_notebooks.py).
+(notebook, test_solutions_pass_all_tests, test_wrong_answers_fail,
+ test_library_answers_fail) = course.exercise_tests(
+    NOTEBOOK, EXERCISES, WRONG)
+
+
+# The prose's exercise numbers and figures, checked against the cells and recomputed from llmu's code.
+
+def _prose(grade_id: str) -> str:
+    return course.cells_by_grade_id(NOTEBOOK)[grade_id]
+
+
+def test_exercise_numbers_match_grade_ids():
+    """Exercise N of the prose is the solution cell exN_solution, and its test cells say so."""
+    import json
+    import re
+
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    heading, seen = None, []
+    for c in cells:
+        text = "".join(c["source"])
+        gid = course.nbgrader_meta(c).get("grade_id", "")
+        found = re.findall(r"^## Exercise (\d+) ·", text, flags=re.M)
+        if found:
+            heading = int(found[-1])
+        if gid.endswith("_solution"):
+            assert gid == f"ex{heading}_solution", f"{gid} follows the heading of exercise {heading}"
+            seen.append(heading)
+        if course.is_test(c):
+            assert gid.startswith(f"test_ex{heading}"), f"{gid} tests exercise {heading}"
+            assert f"what='exercise {heading} (" in text
+    assert seen == [1, 2, 3]
+
+
+def test_mla_cache_next_to_mha_and_mqa():
+    """Section 3: MLA's bytes per token against MHA's and MQA's, and one 128k-token sequence."""
+    from llmu.gqa.reference import kv_cache_table
+
+    rows = {r["scheme"]: r for r in kv_cache_table(context=128 * 1024)}
+    mha, mqa, mla = (rows[s]["bytes_per_token"] for s in ("MHA", "MQA", "MLA"))
+    text = _prose("bytes_read")
+    assert (f"{mla / 1e3:.0f} KB", f"{mha / mla:.0f}×", f"{mha / 1e6:.1f} MB") == ("69 KB", "57×", "3.9 MB")
+    assert "MLA's 69 KB per token is 57× less than MHA's 3.9 MB" in text
+    assert (mla / mqa, f"{mqa / 1e3:.0f} KB") == (2.25, "31 KB") and "2.25× MQA's 31 KB" in text
+    assert "a little more than MQA's" not in text
+    assert f"{rows['MHA']['cache_gb']:.0f} GB" == "515 GB" and 3 * 141 < rows["MHA"]["cache_gb"] < 4 * 141
+    assert f"{rows['MLA']['cache_gb']:.0f} GB" == "9 GB"
+    assert "would need 515 GB of cache: more than\nthree H200s. With MLA it is 9 GB." in text
+
+
+def test_sparing_layer_0():
+    """Section 1: how much leaving layer 0 as GQA(3) lowers the perplexity of pooling every layer."""
+    from llmu.data import json as shipped_json
+
+    v = shipped_json("gqa_perplexity")["variants"]
+    ratio = v["mqa_mean_layers_1_29"]["perplexity"] / v["mqa_mean"]["perplexity"]
+    assert round(1 - ratio, 2) == 0.33
+    text = _prose("convert_read")
+    assert "already lowers the perplexity by a\nthird" in text and "one layer at a time" not in text
+
+
+def test_every_test_cell_ends_with_passed(notebook):
+    """The learner's copy of each test cell (hidden blocks removed) ends with its passed() line."""
+    import re
+
+    for name, source in notebook.cells.items():
+        if not name.startswith("test_"):
+            continue
+        visible = re.sub(rf"{re.escape(course.BEGIN_HIDDEN)}.*?{re.escape(course.END_HIDDEN)}\n?", "", source,
+                         flags=re.S)
+        assert visible.rstrip().splitlines()[-1].startswith("passed("), name

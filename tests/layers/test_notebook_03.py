@@ -1,0 +1,129 @@
+"""Notebook 03's graded exercises, run in-process (no kernel): the instructor's solutions pass every
+test cell, hidden parts included, typical wrong answers fail the cell named for them, and llmu's
+own versions (``llmu.layers.reference``, the Triton kernels, the model's modules) score nothing.
+
+The hidden tests of exercises 3, 5 and 6 compare with SmolLM2 itself. Exercise 3's test cell gets
+the model from ``load_model()`` itself; exercises 5 and 6 read the model, its config, the tokenizer
+and the prompt from the locked ``finale_model`` cell just before them, so no test reads what a
+demonstration cell (``model_load``, ``model_layout``) defined. Exercises 5 and 6 assemble the
+learner's earlier parts, so those solution cells run first. The whole notebook (widgets, the layout
+experiment, the benchmark) is executed by the course-wide notebook tests.
+
+The cells make their tensors without naming a device; they are run with ``kernel_device()`` as
+torch's default device (a no-op in the interpreter, cuda when the kernels are compiled, where
+``load_model`` puts the model too), so the exercise kernel gets tensors it can read.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import llmu  # noqa: F401  (Triton mode first: the exercise kernel is defined below)
+from llmu import course
+
+# The tests of exercises 3, 5 and 6 load SmolLM2.
+pytestmark = pytest.mark.slow
+
+NOTEBOOK = course.repo_root() / "solutions" / "03_rope_swiglu_rmsnorm" / "03_rope_swiglu_rmsnorm.ipynb"
+
+PARTS = ("apply_rope", "rms_norm", "swiglu")   # the solutions the block and the model are built from
+FINALE = "finale_model"                         # the locked cell exercises 5 and 6 read the model from
+
+EXERCISES = {
+    "ex1": course.Exercise("apply_rope", ("test_rope_visible", "test_rope_hidden")),
+    "ex2": course.Exercise("rms_norm", ("test_rmsnorm_visible", "test_rmsnorm_hidden")),
+    "ex3": course.Exercise("swiglu", ("test_swiglu_visible", "test_swiglu_hidden")),
+    "ex4": course.Exercise("rms_norm_kernel", ("test_triton_visible", "test_triton_hidden"),
+                           after=("rms_norm_launcher",)),                 # my_rms_norm launches the kernel
+    "ex5": course.Exercise("decoder_block", ("test_block_visible", "test_block_hidden"), before=(*PARTS, FINALE)),
+    "ex6": course.Exercise("forward", ("test_forward_visible", "test_forward_hidden"),
+                           before=(*PARTS, FINALE, "decoder_block")),
+}
+
+
+def test_finale_prompt_is_section_ones(notebook):
+    """The ``finale_model`` cell encodes the chat prompt that the ``model_layout`` demo runs."""
+    chat = 'tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])'
+    assert chat in notebook.cells["model_layout"]
+    assert chat in notebook.cells[FINALE]
+
+
+HALF = "x1 * cos - x2 * sin, x1 * sin + x2 * cos"
+
+WRONG = {
+    # case: (exercise, replaced text, replacement, the test cell that must catch it)
+    "ex1: half layout pairs neighbours": ("ex1", "x1, x2 = xf[..., : d // 2], xf[..., d // 2 :]",
+                                          "x1, x2 = xf[..., 0::2], xf[..., 1::2]", "test_rope_visible"),
+    "ex1: rotation the other way": ("ex1", HALF, "x1 * cos + x2 * sin, -x1 * sin + x2 * cos", "test_rope_visible"),
+    "ex1: interleaved results concatenated": ("ex1", f"torch.stack([{HALF}], dim=-1).flatten(-2)",
+                                              f"torch.cat([{HALF}], dim=-1)", "test_rope_hidden"),
+    "ex1: float32 returned": ("ex1", "return out.to(x.dtype)", "return out", "test_rope_hidden"),
+    "ex1: x rotated in place": ("ex1", "return out.to(x.dtype)", "return x.copy_(out)", "test_rope_hidden"),
+    "ex1: unknown layout accepted": ("ex1", 'raise ValueError(f"unknown layout {layout!r}")', "out = xf",
+                                     "test_rope_hidden"),
+    "ex2: mean over the rows": ("ex2", "mean(dim=-1, keepdim=True)", "mean(dim=0, keepdim=True)",
+                                "test_rmsnorm_visible"),
+    "ex2: sum instead of mean": ("ex2", "xf.pow(2).mean(dim=-1, keepdim=True)", "xf.pow(2).sum(dim=-1, keepdim=True)",
+                                 "test_rmsnorm_visible"),
+    "ex2: weight forgotten": ("ex2", "(xf * inv_rms * weight.float())", "(xf * inv_rms)", "test_rmsnorm_visible"),
+    "ex2: eps outside the root": ("ex2", "torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)",
+                                  "1 / (xf.pow(2).mean(dim=-1, keepdim=True).sqrt() + eps)", "test_rmsnorm_hidden"),
+    "ex2: float32 returned": ("ex2", ".to(x.dtype)", "", "test_rmsnorm_hidden"),
+    "ex3: silu on both branches": ("ex3", "* (x @ w_up.T)", "* F.silu(x @ w_up.T)", "test_swiglu_visible"),
+    "ex3: gate and up swapped": ("ex3", "F.silu(x @ w_gate.T) * (x @ w_up.T)", "F.silu(x @ w_up.T) * (x @ w_gate.T)",
+                                 "test_swiglu_visible"),
+    "ex3: ReLU gate": ("ex3", "F.silu(", "F.relu(", "test_swiglu_visible"),
+    "ex3: sigmoid gate": ("ex3", "F.silu(", "torch.sigmoid(", "test_swiglu_visible"),
+    "ex4: mean over BLOCK_SIZE": ("ex4", "tl.sum(x * x, axis=0) / n_cols", "tl.sum(x * x, axis=0) / BLOCK_SIZE",
+                                  "test_triton_visible"),
+    "ex4: padding loads ones": ("ex4", "x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0)",
+                                "x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=1.0)",
+                                "test_triton_visible"),
+    "ex4: weight forgotten": ("ex4", "y = x / tl.sqrt(mean_sq + eps) * w", "y = x / tl.sqrt(mean_sq + eps)",
+                              "test_triton_visible"),
+    "ex4: rows assumed packed": ("ex4", "x_ptr + row * x_row_stride", "x_ptr + row * n_cols", "test_triton_hidden"),
+    "ex5: no residual around attention": ("ex5", "x = x + o @ a.o_proj.weight.T", "x = o @ a.o_proj.weight.T",
+                                          "test_block_visible"),
+    "ex5: not causal": ("ex5", "causal=True", "causal=False", "test_block_visible"),
+    "ex5: heads not transposed": ("ex5", "q = (h @ a.q_proj.weight.T).view(b, t, nq, hd).transpose(1, 2)",
+                                  "q = (h @ a.q_proj.weight.T).view(b, nq, t, hd)", "test_block_visible"),
+    "ex5: first norm's gain twice": ("ex5", "layer.post_attention_layernorm.weight", "layer.input_layernorm.weight",
+                                     "test_block_visible"),
+    "ex5: layer 0's attention hard-coded": ("ex5", "a = layer.self_attn", "a = model.layers[0].self_attn",
+                                            "test_block_hidden"),
+    "ex6: no final norm": ("ex6", "    x = rms_norm(x, model.norm.weight, model.norm.eps)\n", "",
+                           "test_forward_visible"),
+    "ex6: last layer skipped": ("ex6", "for layer in model.layers:", "for layer in model.layers[:-1]:",
+                                "test_forward_visible"),
+    "ex6: first sequence only": ("ex6", "x = model.embed_tokens.weight[ids]",
+                                 "x = model.embed_tokens.weight[ids[:1]]", "test_forward_hidden"),
+}
+
+
+# The exercise file's tests: every solution passes its test cells; every wrong answer is caught by
+# the test cell named for it; llmu's own answer fails every test cell of its exercise (cell
+# metadata is checked in tests/course/test_notebooks.py).
+(notebook, test_solutions_pass_all_tests, test_wrong_answers_fail,
+ test_library_answers_fail) = course.exercise_tests(
+    NOTEBOOK, EXERCISES, WRONG, on_kernel_device=True)
+
+
+DELEGATING = {
+    # a body that calls the library object the test hands in: nothing to see in the code's names
+    "ex5": ("decoder_block", "    return layer(x, cos, sin, backend=model.attention_backend)[0]\n"),
+    "ex6": ("forward", "    return model(ids).logits\n"),
+}
+
+
+@pytest.mark.parametrize("exercise", list(DELEGATING))
+def test_calling_the_layer_or_model_handed_in_scores_nothing(exercise, notebook, tmp_path):
+    """``return layer(x, ...)`` or ``return model(ids).logits`` refers to no llmu name, so only the
+    own-work check's ``run`` (the submission run once with the answer classes' forward made to
+    trip) sees it: every test cell of the exercise must fail on it with the own-work message."""
+    cell, body = DELEGATING[exercise]
+    before, _, after = course.solution_region(notebook.cells[cell])
+    source = course.answer_from_solution(before + body + after)
+    ns = notebook.namespace(exercise, tmp_path, source)
+    for test in notebook.exercises[exercise].tests:
+        with pytest.raises(AssertionError, match="while it ran, your code called llmu.models.llama"):
+            course.exec_cell(notebook.cells[test], ns, tmp_path, test)

@@ -1,0 +1,136 @@
+"""Notebook 00's graded exercises, run in-process (no kernel, no model): the instructor's solutions
+pass every test cell, hidden parts included, and typical wrong answers fail them.
+
+Both exercises are Triton kernels (``add_kernel``, ``softmax_kernel``) that the notebook's locked
+launchers (``add_launcher``, ``softmax_launcher``) wrap; the launcher cell runs after the kernel,
+as in the notebook. The cells make their tensors without naming a device; they are run with
+``kernel_device()`` as torch's default device (a no-op in the interpreter, cuda when the kernels
+are compiled). The wrong answers keep every access inside the tensors (a kernel that stores past
+the end would write over memory this process still uses); the whole notebook (widget, library
+demo, benchmark) is executed by the course-wide notebook tests. Two checks of the cells' text: no
+test cell reads a name that only a demonstration cell defines, and every test cell ends with a
+``passed(...)`` line, in the learner's copy as in the graded one.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from pathlib import Path
+
+import llmu  # noqa: F401  (Triton mode first: the exercise kernels are defined below)
+from llmu import course
+
+NOTEBOOK = course.repo_root() / "solutions" / "00_welcome" / "00_welcome.ipynb"
+
+
+EXERCISES = {
+    "ex1": course.Exercise("add_kernel", ("test_add_visible", "test_add_hidden"), after=("add_launcher",)),
+    "ex2": course.Exercise("softmax_kernel", ("test_softmax_visible", "test_softmax_hidden"),
+                           after=("softmax_launcher",)),
+}
+
+
+WRONG = {
+    # exercise, replaced text, replacement, the test cell that must catch it
+    "ex1: every program adds block 0": ("ex1", "offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)",
+                                        "offsets = tl.arange(0, BLOCK_SIZE)", "test_add_visible"),
+    "ex1: block stride hard-coded to 256": ("ex1", "offsets = pid * BLOCK_SIZE +", "offsets = pid * 256 +",
+                                            "test_add_hidden"),
+    "ex1: last element dropped": ("ex1", "mask = offsets < n_elements", "mask = offsets < n_elements - 1",
+                                  "test_add_hidden"),
+    "ex2: no max subtraction": ("ex2", "z = x - tl.max(x, axis=0)", "z = x", "test_softmax_hidden"),
+    "ex2: masked lanes read 0": ("ex2", 'other=-float("inf")', "other=0.0", "test_softmax_hidden"),
+    "ex2: row stride taken as n_cols": ("ex2", "x_ptr + row * x_row_stride", "x_ptr + row * n_cols",
+                                        "test_softmax_hidden"),
+}
+
+
+# The exercise file's tests: every solution passes its test cells; every wrong answer is caught by
+# the test cell named for it; llmu's own kernels handed back score nothing (cell metadata is
+# checked in tests/course/test_notebooks.py).
+(notebook, test_solutions_pass_all_tests, test_wrong_answers_fail,
+ test_library_answers_fail) = course.exercise_tests(
+    NOTEBOOK, EXERCISES, WRONG, on_kernel_device=True, warnings_to_ignore=["ignore::RuntimeWarning"])
+
+
+def test_setup_cell_loads_no_model(notebook):
+    """The exercises must run without the model: the setup cell only imports."""
+    assert "load_model(" not in notebook.cells["setup"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Test cells read only what the learner's cells and the locked setup and helper cells define, and
+# each one ends, in the learner's copy as in the graded one, with a passed(...) line.
+# ---------------------------------------------------------------------------------------------
+
+# Locked cells the tests may read: the launchers around the learner's kernels.
+HELPERS = ("add_launcher", "softmax_launcher")
+
+
+def _code_cells(path):
+    for cell in json.loads(Path(path).read_text())["cells"]:
+        if cell["cell_type"] == "code":
+            meta = cell["metadata"].get("nbgrader", {})
+            yield meta.get("grade_id"), meta, "".join(cell["source"])
+
+
+def _stored_and_loaded(source):
+    """Names a cell binds anywhere (arguments and loop variables included), and names it reads."""
+    stored, loaded = set(), set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name):
+            (loaded if isinstance(node.ctx, ast.Load) else stored).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            stored.add(node.name)
+        elif isinstance(node, ast.alias):
+            stored.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.arg):
+            stored.add(node.arg)
+    return stored, loaded
+
+
+def _defined(source):
+    """The global names a cell defines (not a function's arguments or locals)."""
+    names = set()
+
+    def visit(node):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(child.name)
+            elif isinstance(child, ast.alias):
+                names.add((child.asname or child.name).split(".")[0])
+            elif isinstance(child, ast.Name) and not isinstance(child.ctx, ast.Load):
+                names.add(child.id)
+            elif not isinstance(child, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+                visit(child)
+
+    visit(ast.parse(source))
+    return names
+
+
+def test_no_test_cell_reads_a_demo_cells_names():
+    """A name a test cell reads without defining it comes from the setup cell, a solution cell or a
+    locked helper cell before it (HELPERS), never from a demo, widget or benchmark cell alone."""
+    allowed, demo, bad = set(), set(), {}
+    for gid, meta, source in _code_cells(NOTEBOOK):
+        stored, loaded = _stored_and_loaded(source)
+        if meta.get("grade"):
+            used = (loaded - stored) & (demo - allowed)
+            if used:
+                bad[gid] = sorted(used)
+        elif gid == "setup" or meta.get("solution") or gid in HELPERS:
+            allowed |= _defined(source)
+        else:
+            demo |= _defined(source)
+    assert not bad, f"test cells reading names only a demo cell defined: {bad}"
+
+
+def test_every_test_cell_ends_with_passed():
+    hidden = re.compile(r"### BEGIN HIDDEN TESTS\n.*?### END HIDDEN TESTS\n?", re.S)
+    for gid, meta, source in _code_cells(NOTEBOOK):
+        if meta.get("grade"):
+            for version in (source, hidden.sub("", source)):   # graded, and the learner's copy
+                last = [line for line in version.splitlines() if line.strip()][-1]
+                assert last.startswith("passed("), f"{gid} ends with {last!r}"
