@@ -23,7 +23,8 @@ from pathlib import Path
 
 
 from .colab import PUBLISHED_BRANCH, REPOSITORY_URL
-from .paths import BEGIN_HIDDEN, END_HIDDEN, CourseError, repo_root
+from .notebooks import without_hidden_tests
+from .paths import CourseError, repo_root
 
 
 #: Shared helpers every notebook uses; listed after the module's own code in ``code_links``.
@@ -75,7 +76,7 @@ def llmu_imports(path) -> dict[str, list[str]]:
         if cell["cell_type"] != "code":
             continue
         # what the learner's copy holds: hidden tests (the own-work check's import) are left out
-        source = re.sub(rf"{re.escape(BEGIN_HIDDEN)}.*?{re.escape(END_HIDDEN)}", "", "".join(cell["source"]), flags=re.S)
+        source = without_hidden_tests("".join(cell["source"]))
         for m in _PLAIN_IMPORT.finditer(source):
             used.setdefault(m.group(1), [])
         for m in _FROM_IMPORT.finditer(source):

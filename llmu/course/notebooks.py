@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-from .paths import BEGIN_SOLUTION, END_SOLUTION
+from .paths import BEGIN_HIDDEN, BEGIN_SOLUTION, END_HIDDEN, END_SOLUTION
 
 
 def cells_by_grade_id(path) -> dict[str, str]:
@@ -160,18 +160,8 @@ class NotebookExercises:
     def own_work_calls(self, exercise: str) -> dict[str, list[tuple[str, tuple[str, ...]]]]:
         """For each test cell of ``exercise``, its ``check_own_work`` calls: (the submission's
         name, the answers as written)."""
-        calls: dict[str, list[tuple[str, tuple[str, ...]]]] = {}
-        for cell in self.exercises[exercise].tests:
-            found = []
-            for node in ast.walk(ast.parse(self.cells[cell])):
-                if not (isinstance(node, ast.Call) and _callee(node.func) == "check_own_work"):
-                    continue
-                if len(node.args) < 2 or not isinstance(node.args[0], ast.Name):
-                    raise AssertionError(f"{self.notebook.name} {cell}: check_own_work(submission_name, answer, ..., "
-                                         f"what=...) expected, got {ast.unparse(node)}")
-                found.append((node.args[0].id, tuple(ast.unparse(a) for a in node.args[1:])))
-            calls[cell] = found
-        return calls
+        return {cell: own_work_calls_in(self.cells[cell], f"{self.notebook.name} {cell}")
+                for cell in self.exercises[exercise].tests}
 
     def check_library_answer_fails(self, exercise: str, workdir) -> list[str]:
         """A learner who hands back llmu's answer (an alias, or a wrapper through a helper; a
@@ -212,6 +202,20 @@ class NotebookExercises:
 
 def _callee(func) -> str:
     return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+
+
+def own_work_calls_in(source: str, where: str = "cell") -> list[tuple[str, tuple[str, ...]]]:
+    """The ``check_own_work`` calls of a test cell's source: (the submission's name, the answers as
+    written), in order."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and _callee(node.func) == "check_own_work"):
+            continue
+        if len(node.args) < 2 or not isinstance(node.args[0], ast.Name):
+            raise AssertionError(f"{where}: check_own_work(submission_name, answer, ..., what=...) expected, "
+                                 f"got {ast.unparse(node)}")
+        found.append((node.args[0].id, tuple(ast.unparse(a) for a in node.args[1:])))
+    return found
 
 
 def library_answer_cheat(name: str, answer: str, variant: str = "alias") -> str:
@@ -309,3 +313,76 @@ def answer_from_solution(source: str) -> str:
     )
 
 
+
+
+_HIDDEN_REGION = re.compile(rf"{re.escape(BEGIN_HIDDEN)}.*?{re.escape(END_HIDDEN)}\n?", re.S)
+
+
+def without_hidden_tests(source: str) -> str:
+    """A cell's source as the learner's copy holds it: every hidden-test region removed."""
+    return _HIDDEN_REGION.sub("", source)
+
+
+#: Locked cells a test may read besides the setup and solution cells: the launcher around a
+#: learner's kernel, a reference or harness placed before the exercise, the model the finale builds on.
+HELPER_CELL = re.compile(r"(launcher|reference|harness|helpers?)$|^finale_model$")
+
+
+def _bound_and_read(source: str) -> tuple[set[str], set[str]]:
+    """Names a cell binds anywhere (arguments and loop variables included), and names it reads."""
+    bound, read = set(), set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name):
+            (read if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.alias):
+            bound.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+    return bound, read
+
+
+def _globals_defined(source: str) -> set[str]:
+    """The global names a cell defines (not a function's arguments or locals)."""
+    names: set[str] = set()
+
+    def visit(node):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(child.name)
+            elif isinstance(child, ast.alias):
+                names.add((child.asname or child.name).split(".")[0])
+            elif isinstance(child, ast.Name) and not isinstance(child.ctx, ast.Load):
+                names.add(child.id)
+            elif not isinstance(child, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+                visit(child)
+
+    visit(ast.parse(source))
+    return names
+
+
+def demo_names_read_by_tests(path) -> dict[str, list[str]]:
+    """``{test cell grade_id: names}`` for every graded cell that reads a global only a demo,
+    widget or benchmark cell defined (not the setup cell, a solution, an earlier graded cell or a
+    :data:`HELPER_CELL`): a test that would break, or grade differently, when a learner skips or
+    edits a demo. Empty when every test builds what it needs."""
+    allowed: set[str] = set()
+    demo: set[str] = set()
+    found: dict[str, list[str]] = {}
+    for cell in json.loads(Path(path).read_text(encoding="utf-8"))["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        meta = nbgrader_meta(cell)
+        gid, source = meta.get("grade_id", ""), "".join(cell["source"])
+        if meta.get("grade"):
+            bound, read = _bound_and_read(source)
+            used = (read - bound) & (demo - allowed)
+            if used:
+                found[gid] = sorted(used)
+            allowed |= _globals_defined(source)
+        elif gid == "setup" or meta.get("solution") or HELPER_CELL.search(gid):
+            allowed |= _globals_defined(source)
+        else:
+            demo |= _globals_defined(source)
+    return found

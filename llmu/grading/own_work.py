@@ -165,9 +165,6 @@ def _referenced(code: types.CodeType, globals_: dict, closure: dict):
                 locals_[arg] = current
             current, path = None, ""
             continue
-        elif op in ("LOAD_FAST_LOAD_FAST",):
-            current, path = None, ""
-            continue
         else:
             current, path = None, ""
             continue
@@ -175,7 +172,7 @@ def _referenced(code: types.CodeType, globals_: dict, closure: dict):
             yield current, path
 
 
-def _children(obj, globals_: dict):
+def _children(obj):
     """What the submission ``obj`` refers to, with the way it was written, one level down."""
     obj = _unwrap(obj)
     if isinstance(obj, functools.partial):
@@ -220,7 +217,10 @@ def _is_notebook_code(obj, globals_: dict) -> bool:
 def find_library_answer(submission, answers) -> tuple[object, list[str]] | None:
     """The first of ``answers`` that ``submission`` is or refers to, with the chain of names that
     leads there (``["my_pack", "helper", "engine_pack"]``); None when it stays clear of them."""
-    table = _Answers(answers)
+    return _find(submission, _Answers(answers))
+
+
+def _find(submission, table: _Answers) -> tuple[object, list[str]] | None:
     root = _unwrap(submission)
     globals_ = getattr(root, "__globals__", None)
     if globals_ is None and isinstance(root, type):
@@ -244,7 +244,7 @@ def find_library_answer(submission, answers) -> tuple[object, list[str]] | None:
         visited.add(key)
         if len(chain) > 1 and not _is_notebook_code(obj, globals_):
             continue  # llmu, torch, the standard library: not the learner's code, not read
-        for child, how in _children(obj, globals_):
+        for child, how in _children(obj):
             if isinstance(child, types.ModuleType):
                 continue
             stack.append((child, chain + [how]))
@@ -331,7 +331,7 @@ def check_own_work(submission, *answers, what: str, run=None) -> None:
     if submission is None:
         raise CheckFailed(f"{what}: the submission is None; did the solution cell run?")
     table = _Answers(answers)
-    hit = find_library_answer(submission, answers)
+    hit = _find(submission, table)
     if hit is not None:
         answer, chain = hit
         raise CheckFailed(

@@ -116,7 +116,7 @@ def test_no_hidden_tests_in_course(src):
         regions = _hidden_regions(text)
         for region in regions:
             hidden_lines |= {ln.strip() for ln in region.splitlines() if ln.strip()}
-        outside = re.sub(rf"{re.escape(course.BEGIN_HIDDEN)}.*?{re.escape(course.END_HIDDEN)}", "", text, flags=re.S)
+        outside = course.without_hidden_tests(text)
         other_lines |= {ln.strip() for ln in outside.splitlines() if ln.strip()}
     # Lines that only exist inside hidden regions must not reach the student copy.
     secret = hidden_lines - other_lines
@@ -212,3 +212,24 @@ def test_every_test_cell_opens_with_the_own_work_check(src):
                if course.is_test(c) and not OWN_WORK.match(_src(c))]
     assert not missing, (f"{src.parent.name}: test cells {missing} do not open with a hidden own-work check "
                          "(### BEGIN HIDDEN TESTS / check_own_work(submission, answer, ..., what=...) / ### END HIDDEN TESTS)")
+
+
+@pytest.mark.parametrize("src", SOURCES, ids=_ids(SOURCES))
+def test_every_test_cell_ends_with_passed(src):
+    """Each autograded test cell ends with its ``passed(...)`` line, in the graded notebook and in
+    the learner's copy (hidden tests removed): a learner sees a ✓ for every cell that passed."""
+    for cell in _load(src)["cells"]:
+        if not course.is_test(cell):
+            continue
+        gid = course.nbgrader_meta(cell).get("grade_id")
+        for version, which in ((_src(cell), "graded"), (course.without_hidden_tests(_src(cell)), "learner's copy")):
+            last = [ln for ln in version.splitlines() if ln.strip()][-1]
+            assert last.startswith("passed("), f"{src.parent.name} {gid} ({which}) ends with {last!r}"
+
+
+@pytest.mark.parametrize("src", SOURCES, ids=_ids(SOURCES))
+def test_no_test_cell_reads_a_demo_cells_names(src):
+    """A test cell builds what it needs, or reads what the setup cell, a solution, an earlier test
+    or a locked helper cell (``course.HELPER_CELL``) defined, never a name only a demo cell sets."""
+    found = course.demo_names_read_by_tests(src)
+    assert not found, f"{src.parent.name}: test cells reading names only a demo cell defines: {found}"
