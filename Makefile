@@ -11,6 +11,10 @@ PYTEST_ARGS ?= -n 2 --dist worksteal
 
 .PHONY: lab test test-fast setup setup-dev release doctor bench clean-venv chromium
 
+# A recipe that fails or is interrupted leaves no half-made target behind: without this, a venv
+# whose creation stopped before pip was upgraded (.venv/bin/python exists) would never be redone.
+.DELETE_ON_ERROR:
+
 lab: $(VENV)/.llmu-lab
 	$(VENV)/bin/llmu lab
 

@@ -8,6 +8,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from llmu.bench.paired import format_ratio
 from llmu.bench.registry import LOAD_ERRORS, REGISTRY, load_all
 from llmu.bench.runner import TRITON_ON_CPU
 
@@ -38,9 +39,10 @@ def _cells(row: dict) -> list[str]:
             f, tag = max(fracs)
             peak = f"{100 * f:.0f}% {tag}"
         timing = [_num(row["ms"]), spread, _num(row.get("tflops"), 3), _num(row.get("gbs"), 4), peak]
-        note = row.get("reason") or ""
-        if row.get("tokens_per_s") is not None:  # whole-model entries: ms is per token
-            note = f"{row['tokens_per_s']:.1f} tokens/s" + (f"; {note}" if note else "")
+        # whole-model entries: ms is per token, and a paired ratio says how they compare
+        notes = [f"{row['tokens_per_s']:.1f} tokens/s"] if row.get("tokens_per_s") is not None else []
+        notes += [ratio_note(row), row.get("reason") or ""]
+        note = "; ".join(n for n in notes if n)
     else:
         timing = ["", "", "", "", ""]
         reason = row.get("reason") or ""
@@ -54,6 +56,32 @@ def _cells(row: dict) -> list[str]:
         provider = f"{provider} [{row['kind']}]"
     return [row.get("entry") or "", provider, row.get("size_label") or "", row.get("dtype") or "",
             *timing, note]
+
+
+def ratio_note(row: dict) -> str:
+    """The paired ratio of a whole-model row (:mod:`llmu.bench.paired`) as the table prints it:
+    ``"x1.85 (1.62..2.10) over transformers"`` (median of the per-round ratios, their min..max),
+    with ``", not distinguishable from 1"`` when that range includes 1, ``"base of the ratios"`` on
+    the base's own row, the number of rounds and the load average at start and end; ``""`` for a
+    row without them."""
+    parts = []
+    if row.get("ratio_to") is not None and row.get("ratio_to") == row.get("provider"):
+        parts.append("base of the ratios")
+    elif row.get("ratio") is not None:
+        text = f"x{format_ratio(row['ratio'])}"
+        if row.get("ratio_min") is not None and row.get("ratio_max") is not None:
+            text += f" ({format_ratio(row['ratio_min'])}..{format_ratio(row['ratio_max'])})"
+        if row.get("ratio_to"):
+            text += f" over {row['ratio_to']}"
+        if row.get("ratio_overlaps_1"):
+            text += ", not distinguishable from 1"
+        parts.append(text)
+    if row.get("rounds") is not None:
+        parts.append(f"{row['rounds']} rounds")
+    start, end = row.get("load_avg_start"), row.get("load_avg_end")
+    if start is not None or end is not None:
+        parts.append(f"load {_num(start, 2)}->{_num(end, 2)}")
+    return "; ".join(parts)
 
 
 def _line(cells: Sequence[str]) -> str:

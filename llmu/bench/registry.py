@@ -29,6 +29,9 @@ class Provider:
     fn: Callable
     kind: str  # "triton" (llmu kernel), "torch" (llmu reference), "builtin" (PyTorch's own), "external"
     label: str = ""
+    #: the name of another provider of the entry whose output this one must match before it is
+    #: timed (a learner's kernel is checked against llmu's); None: timed as it is
+    check_against: str | None = None
 
     def __post_init__(self):
         if self.kind not in PROVIDER_KINDS:

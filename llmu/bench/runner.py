@@ -16,6 +16,13 @@ The numbers a row carries:
 * ``frac_flops`` and ``frac_bw``: those over the device's peaks (see :mod:`llmu.bench.peaks`);
   ``None`` when the peak is unknown (CPUs).
 
+A learner's own kernel runs beside llmu's: ``run(names, yours={"vector_add": add})`` adds a row
+``yours`` ("your kernel") to that entry, called with the same inputs as llmu's kernel. It is
+timed where llmu's Triton kernels are (a CUDA device), after its output was checked against
+llmu's kernel on the first size (a fast wrong answer is no result: such a row is an error, not a
+time); on a CPU it is skipped with the reason, as llmu's own Triton rows are.
+:func:`untimed_note` turns the skipped rows into the sentence a notebook prints under its plot.
+
 While a notebook is being graded (``LLMU_AUTOGRADING=1`` in the environment, which the grading
 code sets for the kernel: ``llmu grade``, ``autograder/autograde``) :func:`run` times nothing: each
 entry and size gets a row with status ``"skipped"`` and reason ``"autograding"``. A benchmark
@@ -24,6 +31,7 @@ earns no points and would only spend the per-cell time limit.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import math
 import os
@@ -37,7 +45,7 @@ import torch
 
 from llmu import runtime
 from llmu.bench.peaks import Peak, dtype_name, peak_for
-from llmu.bench.registry import LOAD_ERRORS, Entry, load_all
+from llmu.bench.registry import LOAD_ERRORS, Entry, Provider, load_all
 
 #: Version of the results layout written by :func:`run` and read by :func:`llmu.bench.load`.
 SCHEMA_VERSION = 1
@@ -53,6 +61,17 @@ ROW_FIELDS = (
 CPU_KINDS = ("torch", "builtin", "external")
 TRITON_ON_CPU = ("Triton runs in its interpreter here (numpy, one block at a time): its time says "
                  "nothing about the kernel; see the recorded GPU results")
+
+#: The provider name and label of a learner's kernel passed to :func:`run` as ``yours=``.
+YOURS = "yours"
+YOURS_LABEL = "your kernel"
+
+#: (rtol, atol) for comparing a learner's kernel with llmu's before timing it. Two correct kernels
+#: may sum in different orders (other tile sizes, another reduction tree): in float32 that moves
+#: the last few of ~7 significant digits over the sums these sizes make; a half-precision output
+#: is rounded to 11 (float16) or 8 (bfloat16) significant bits, so one unit in the last place
+#: (about 1e-3 and 8e-3 relative) times a few roundings. Integer and boolean outputs match exactly.
+YOURS_TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (1e-2, 1e-2), torch.bfloat16: (3e-2, 3e-2)}
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -264,6 +283,52 @@ def _sizes_for(entry: Entry, sizes, on_gpu: bool) -> list[dict]:
     return [dict(s) for s in sizes]
 
 
+def _mismatch(expected, got) -> str | None:
+    """Why ``got`` is not ``expected`` (tensors, or tuples/lists of them, or numbers), or None."""
+    if isinstance(expected, (tuple, list)):
+        if not isinstance(got, (tuple, list)) or len(got) != len(expected):
+            return f"returned {type(got).__name__} of {len(got) if isinstance(got, (tuple, list)) else 1}, " \
+                   f"llmu's kernel {type(expected).__name__} of {len(expected)}"
+        for i, (e, g) in enumerate(zip(expected, got)):
+            why = _mismatch(e, g)
+            if why:
+                return f"output {i}: {why}"
+        return None
+    if isinstance(got, (tuple, list)):
+        return f"returned {type(got).__name__} of {len(got)}, llmu's kernel one {type(expected).__name__}"
+    if got is None:
+        return "returned None (return the output tensor)"
+    expected, got = torch.as_tensor(expected), torch.as_tensor(got)
+    if got.shape != expected.shape:
+        return f"shape {tuple(got.shape)}, llmu's kernel gives {tuple(expected.shape)}"
+    if expected.is_floating_point():
+        rtol, atol = YOURS_TOLERANCE.get(expected.dtype, YOURS_TOLERANCE[torch.float32])
+        a, b = got.detach().float().cpu(), expected.detach().float().cpu()
+        bad = ~torch.isclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
+        if bad.any():
+            worst = (a - b).abs().nan_to_num(float("inf")).max().item()
+            return f"{int(bad.sum())} of {bad.numel()} values differ (largest difference {worst:.3g})"
+        return None
+    if not torch.equal(got.detach().cpu(), expected.detach().cpu()):
+        return f"{int((got.detach().cpu() != expected.detach().cpu()).sum())} values differ"
+    return None
+
+
+def _checked(provider, entry: Entry, inputs) -> str | None:
+    """Run ``provider`` and the provider it is checked against on ``inputs``; why they differ, or None."""
+    expected = entry.providers[provider.check_against].fn(*inputs)
+    why = _mismatch(expected, provider.fn(*inputs))
+    if why:
+        label = entry.providers[provider.check_against].label or provider.check_against
+        return f"wrong output, so not timed: against {label}, {why}"
+    return None
+
+
+def _kernels_timed_here(device: torch.device) -> bool:
+    """Triton kernels are timed only where they compile: a CUDA device, not the interpreter."""
+    return device.type == "cuda" and not runtime.interpreting()
+
+
 def _time_providers(entry: Entry, size: dict, device: torch.device, dtype, timer, peak,
                     compiled_here: bool) -> list[dict]:
     rows = []
@@ -292,6 +357,11 @@ def _time_providers(entry: Entry, size: dict, device: torch.device, dtype, timer
             row.update(status="error", reason=setup_error)
         else:
             try:
+                wrong = _checked(provider, entry, inputs) if provider.check_against else None
+                if wrong:
+                    row.update(status="error", reason=wrong)
+                    rows.append(row)
+                    continue
                 stats = timer(lambda: provider.fn(*inputs))
             except ImportError as exc:  # an external library that is not installed here
                 row.update(status="skipped", reason=f"not installed: {_short_error(exc)}")
@@ -336,7 +406,8 @@ def run(names: str | Iterable[str] | None = None, device=None, sizes="auto", rep
         *, entries: Mapping[str, Entry] | Iterable[Entry] | None = None,
         timer: Callable[[Callable[[], object]], dict] | None = None,
         progress: Callable[[dict], None] | None = None,
-        budget_s: float | None = None, threads: int | None = None) -> dict:
+        budget_s: float | None = None, threads: int | None = None,
+        yours: Mapping[str, Callable] | None = None) -> dict:
     """Run benchmark entries and return JSON-ready results.
 
     ``names``: entry names (all when None; an unknown name raises ValueError listing the known
@@ -353,6 +424,11 @@ def run(names: str | Iterable[str] | None = None, device=None, sizes="auto", rep
     work, one thread gives steadier CPU timings: a multi-threaded op waits for every thread to be
     scheduled.
 
+    ``yours``: ``{entry name: function}``, a learner's kernels, each added to its entry as the
+    provider ``"yours"`` and called like the entry's llmu kernel (``fn(*inputs)``). Timed where
+    llmu's Triton kernels are, once its output matches llmu's kernel (``YOURS_TOLERANCE``);
+    skipped on a CPU, with the reason (:func:`untimed_note`).
+
     Returns ``{"schema_version", "created", "environment", "peak", "sizes", "rows",
     "load_errors"}``; each row has the keys in :data:`ROW_FIELDS`.
     """
@@ -363,6 +439,8 @@ def run(names: str | Iterable[str] | None = None, device=None, sizes="auto", rep
         registry = dict(entries) if isinstance(entries, Mapping) else {e.name: e for e in entries}
         load_errors = {}
     selected = _select(registry, names)
+    if yours is not None:
+        selected = _with_yours(selected, yours)
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     previous_threads = torch.get_num_threads()
@@ -371,8 +449,7 @@ def run(names: str | Iterable[str] | None = None, device=None, sizes="auto", rep
     try:
         dev = torch.device(device) if device is not None else runtime.device()
         on_gpu = dev.type == "cuda"
-        # Triton kernels are timed only where they compile: a CUDA device, not the interpreter.
-        compiled_here = on_gpu and not runtime.interpreting()
+        compiled_here = _kernels_timed_here(dev)
         env = environment_info(dev)
         peak = peak_for(env["gpu_name"]) if on_gpu else None
         if timer is None:
@@ -417,6 +494,52 @@ def run(names: str | Iterable[str] | None = None, device=None, sizes="auto", rep
     finally:
         if threads is not None:
             torch.set_num_threads(previous_threads)
+
+
+def _with_yours(selected: list[Entry], yours) -> list[Entry]:
+    """``selected`` with each learner's kernel of ``yours`` added to its entry (copies: the registry
+    is left as it is)."""
+    if not isinstance(yours, Mapping):
+        raise TypeError(f"yours must be a dict of entry name -> your function, got {type(yours).__name__}")
+    by_name = {e.name: e for e in selected}
+    unknown = [name for name in yours if name not in by_name]
+    if unknown:
+        raise ValueError(f"yours names {', '.join(map(repr, unknown))}, which this run does not include; "
+                         f"it runs {', '.join(by_name) or 'no entry'}")
+    out = []
+    for entry in selected:
+        fn = yours.get(entry.name)
+        if fn is None:
+            out.append(entry)
+            continue
+        if not callable(fn):
+            raise TypeError(f"yours[{entry.name!r}] must be a function called like llmu's kernel, "
+                            f"got {type(fn).__name__}")
+        if entry.run is not None:
+            raise ValueError(f"yours[{entry.name!r}]: {entry.name} measures a whole model, not one kernel")
+        kernels = [n for n, p in entry.providers.items() if p.kind == "triton"]
+        if not kernels:
+            raise ValueError(f"yours[{entry.name!r}]: {entry.name} has no Triton kernel of llmu's to set yours beside")
+        provider = Provider(fn, "triton", YOURS_LABEL, check_against=kernels[0])
+        out.append(dataclasses.replace(entry, providers={**entry.providers, YOURS: provider}))
+    return out
+
+
+def untimed_note(results: Mapping) -> str:
+    """What a notebook prints under its benchmark: which rows were not timed here, and why (one line
+    per reason, each naming the providers), or ``""`` when every row was timed."""
+    if not isinstance(results, Mapping) or "rows" not in results:
+        raise TypeError("results must be what llmu.bench.run returned (a dict with 'rows')")
+    reasons: dict[str, list[str]] = {}
+    for row in results["rows"]:
+        if row.get("status") in ("skipped", "error"):
+            who = row.get("label") or row.get("provider") or row.get("entry")
+            names = reasons.setdefault(f"{row['status']}: {row.get('reason')}", [])
+            if who not in names:
+                names.append(who)
+    return "\n".join(f"not timed here ({', '.join(names)}): {reason.split(': ', 1)[1]}"
+                     if reason.startswith("skipped") else f"failed ({', '.join(names)}): {reason.split(': ', 1)[1]}"
+                     for reason, names in reasons.items())
 
 
 def make_results(rows: list[dict], env: dict, sizes="auto", load_errors: Mapping | None = None,

@@ -199,6 +199,53 @@ class NotebookExercises:
                 tried.append(case)
         return tried
 
+    def check_bench_yours(self, workdir, exercise_for: Mapping[str, str], bench_cell: str = "bench",
+                          sizes: Mapping[str, dict] | None = None) -> dict[str, str]:
+        """The benchmark cell hands each learner kernel to ``llmu.bench.run(..., yours={...})`` the
+        way llmu's kernel of that entry is called: with the instructor's solution of exercise
+        ``exercise_for[entry]`` in place, the function the cell passes for ``entry`` gives llmu's
+        kernel's output on the entry's inputs (its first CPU size, or ``sizes[entry]``), here in
+        Triton's interpreter. On a GPU that comparison gates the learner's timing row; this runs
+        it where the suite runs. Returns ``{entry: "ok"}``; raises AssertionError naming what differs.
+        """
+        from llmu.bench import load_all
+        from llmu.bench.runner import YOURS, _mismatch, _with_yours
+        from llmu.runtime import kernel_device
+
+        given = _yours_in_cell(self.cells[bench_cell], f"{self.notebook.name} {bench_cell}")
+        if sorted(given) != sorted(exercise_for):
+            raise AssertionError(f"{self.notebook.name} {bench_cell}: yours= names {sorted(given)}, "
+                                 f"the test expects {sorted(exercise_for)}")
+        registry = load_all()
+        checked = {}
+        for entry_name, exercise in exercise_for.items():
+            ns = self.namespace(exercise, workdir)
+            with self._device():
+                fn = eval(compile(given[entry_name], f"{bench_cell}:yours[{entry_name!r}]", "eval"), ns)  # noqa: S307
+                (entry,) = _with_yours([registry[entry_name]], {entry_name: fn})
+                size = dict((sizes or {}).get(entry_name) or entry.cpu_sizes[0])
+                inputs = entry.setup(size, kernel_device(), entry.cpu_dtype)
+                inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+                mine = entry.providers[YOURS]
+                expected = entry.providers[mine.check_against].fn(*inputs)
+                why = _mismatch(expected, mine.fn(*inputs))
+            if why:
+                raise AssertionError(f"{self.notebook.name} {bench_cell}: yours[{entry_name!r}] with the solution of "
+                                     f"{exercise}, at {size}: {why}")
+            checked[entry_name] = "ok"
+        return checked
+
+
+def _yours_in_cell(source: str, where: str) -> dict[str, str]:
+    """The ``yours={...}`` literal of the ``llmu.bench.run`` call in ``source``: entry -> expression."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and any(k.arg == "yours" for k in node.keywords):
+            value = next(k.value for k in node.keywords if k.arg == "yours")
+            if not isinstance(value, ast.Dict) or not all(isinstance(k, ast.Constant) for k in value.keys):
+                raise AssertionError(f"{where}: yours= must be a dict literal of entry names")
+            return {k.value: ast.unparse(v) for k, v in zip(value.keys, value.values)}
+    raise AssertionError(f"{where}: no llmu.bench.run(..., yours={{...}}) call: the learner's kernel is never timed")
+
 
 def _callee(func) -> str:
     return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""

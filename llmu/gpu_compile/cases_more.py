@@ -1,4 +1,4 @@
-"""More launch cases for :mod:`llmu.gpu_compile` (modules 04, 10-13 and the GGUF loader), in the
+"""More launch cases for :mod:`llmu.gpu_compile` (modules 04 with 05's GEMM, 10-13 and the GGUF loader), in the
 style of :mod:`llmu.gpu_compile.cases`, to be merged into it.
 
 Each comment says which branch of the launcher the inputs reach on a GPU (compile-only mode picks
@@ -198,7 +198,22 @@ def _training() -> list[Case]:
             return k.matmul(a.T, rand(70, 40, dtype=dt, seed=2), torch.zeros(90, 40), accumulate=True)
         return k.matmul(a, b, torch.empty(70, 40, dtype=dt))
 
+    def tuned_matmul(dt):
+        # Module 05's GEMM (llmu.roofline.kernels), listed here beside module 04's matmul. Its launcher
+        # picks the tiles for the target (sm_90/sm_80: 128 x 256 x 64, 3 stages, 8 warps for 16-bit;
+        # sm_75: 64 x 64 x 16, 2 stages; float32: 64 x 64 x 32). M = 300, N = 176, K = 1040 are
+        # ragged against every tile (K ends in a masked step) and, as a model's widths are,
+        # multiples of 16, which keeps rows 16-byte aligned and the loads vectorized (odd widths
+        # compile to scalar loads that spill registers). First x @ W^T (W^T a transposed view, K
+        # contiguous), then a row-major b (N contiguous) into a float32 out.
+        from llmu.roofline import kernels as r
+
+        x, w = rand(300, 1040, dtype=dt), rand(176, 1040, dtype=dt, seed=1)
+        r.matmul(x, w.t())
+        return r.matmul(x, w.t().contiguous(), out=torch.empty(300, 176))
+
     return [
+        Case("roofline.matmul (05) ragged M, N, K; W^T view and row-major B", tuned_matmul),
         Case("training.flce forward+backward (dx, dW), ignore_index", flce),
         Case("training.flce label smoothing 0.1, sum, frozen weight (no dW)",
              lambda dt: flce(dt, grad_w=False, label_smoothing=0.1, reduction="sum")),

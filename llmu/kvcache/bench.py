@@ -1,17 +1,31 @@
 """Benchmark entries of module 06: what the KV cache buys, and how fast attention reads it.
 
-``kv_cache_decode`` (a whole-model ``run=`` entry): SmolLM2-135M, batch 1, the cost of producing
-the next token when ``T`` tokens came before it, two ways.
+``kv_cache_decode`` (a whole-model ``run=`` entry, :func:`compare_decode`): SmolLM2-135M, batch 1,
+the cost of producing the next tokens after ``T`` tokens of prompt, two ways, greedy.
 
-- ``recompute``: no cache, the model runs over all ``T`` tokens again (one forward pass of ``T``
-  tokens, timed as the prefill of a fresh cache, which costs the same);
-- ``cached``: the ``T`` keys and values are in the cache, the model runs over ONE token.
+- ``recompute``: no cache: each next token is a forward pass over everything so far (``T``, then
+  ``T + 1``, ... tokens), ``recompute`` of them per round;
+- ``cached``: the ``T`` keys and values are in the cache (the prompt's prefill is done once, not
+  timed, and the cache cropped back to ``T`` before each round), each next token is a pass over
+  ONE token: ``new`` of them per round (after ``T`` to ``T + new - 1`` cached positions).
+
+Each round times both, in turn (``recompute, cached, recompute, ...``, ``repeats`` rounds after a
+warm-up of one recompute call and one cached step, :func:`llmu.bench.interleave`): tokens/s =
+tokens / seconds of that call. The rows carry the median and spread, the paired ratio
+``cached_r / recompute_r`` (the speedup; also ``speedup``, on both rows) with its min..max and
+whether that includes 1, and the load average. Recomputing and caching compute the same function,
+so their tokens must be the same: the cached run's first ``recompute`` tokens are compared with
+the recomputed ones in every round, and a cache that gives other tokens makes the cached row an
+error. Recomputing at ``T = 2048`` takes seconds a token on a CPU, so it makes fewer tokens there
+than the cache does (``recompute`` in the sizes). The model runs in float32 on a GPU too: a pass
+over ``T`` tokens and a pass over one round differently, and in bf16 that flips near-ties of the
+argmax.
 
 FLOPs: about ``2 * parameters`` per token the model processes (a multiply and an add per weight),
 so ``2 * P * T`` recomputing and ``2 * P`` cached, plus attention's ``4 * layers * H * D`` per
 (query, key) pair: ``T (T + 1) / 2`` pairs recomputing, ``T`` cached. Bytes: every weight read
 once either way (``P * elem``), plus the cache read when cached
-(``kv_cache_bytes(layers, Hkv, D, T, 1, elem)``). The row's ``speedup`` is recompute / cached.
+(``kv_cache_bytes(layers, Hkv, D, T, 1, elem)``).
 
 ``decode_attention``: one new query per sequence and head against a cache of ``T`` positions,
 ``q (B, H, D)``, ``k``, ``v`` ``(B, Hkv, T, D)``. It is memory-bound: per key, ``4 * G * D``
@@ -31,13 +45,12 @@ Triton kernel's fraction of the HBM peak says how close decoding gets to the mem
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
-from llmu import runtime
+from llmu.bench.paired import Paired, first_difference, interleave
 from llmu.bench.registry import Entry, Provider, register
 from llmu.kvcache import kernels, reference
 
@@ -50,35 +63,67 @@ DECODE_LENGTHS = (128, 512, 2048)
 # ----------------------------------------------------------------------------------------------
 
 
-@torch.inference_mode()
-def measure_decode(model, length: int, cached_steps: int = 5, recompute_repeats: int = 1, seed: int = 0) -> dict:
-    """Milliseconds to produce one next token after ``length`` tokens, without and with a cache.
+def _argmax(logits) -> int:
+    return int(logits[0, -1].argmax())
 
-    The recompute time is a forward pass over ``length`` tokens (median of ``recompute_repeats``);
-    the cached time the median of ``cached_steps`` one-token passes against a cache that holds
-    ``length`` tokens (rewound after each step so every step sees the same length).
-    """
+
+@torch.inference_mode()
+def compare_decode(model, length: int, new_tokens: int = 64, recompute_tokens: int = 4, repeats: int = 3,
+                   seed: int = 0) -> Paired:
+    """Tokens/s of the next tokens after ``length`` tokens, recomputing and cached, in turn (see
+    the module's docstring). Figure ``tokens_per_s``; output: the greedy ids; ratio: cached over
+    recompute; the cached ids are checked against the recomputed ones."""
     if length < 1:
         raise ValueError(f"length must be >= 1, got {length}")
+    if new_tokens < 1 or recompute_tokens < 1:
+        raise ValueError(f"new_tokens and recompute_tokens must be >= 1, got {new_tokens}, {recompute_tokens}")
     g = torch.Generator(device="cpu").manual_seed(seed)
-    ids = torch.randint(100, model.config.vocab_size, (1, length + 1), generator=g, device="cpu").to(model.device)
-    recompute = []
-    cache = None
-    for _ in range(max(1, recompute_repeats)):
-        cache = model.new_cache(batch_size=1, max_len=length + 1)
+    prompt = torch.randint(100, model.config.vocab_size, (length,), generator=g, device="cpu").tolist()
+    cache = model.new_cache(batch_size=1, max_len=length + new_tokens + 1)
+    first = _argmax(model(torch.tensor([prompt], device=model.device), cache=cache, last_only=True).logits)
+
+    def recompute() -> dict:
+        ids = list(prompt)
         start = time.perf_counter()
-        model(ids[:, :length], cache=cache, last_only=True)
-        recompute.append(time.perf_counter() - start)
-    model(ids[:, length:], cache=cache, last_only=True)  # warm up the one-token path
-    cache.crop(length)
-    cached = []
-    for _ in range(max(1, cached_steps)):
-        start = time.perf_counter()
-        model(ids[:, length:], cache=cache, last_only=True)
-        cached.append(time.perf_counter() - start)
+        for _ in range(recompute_tokens):
+            ids.append(_argmax(model(torch.tensor([ids], device=model.device), last_only=True).logits))
+        seconds = time.perf_counter() - start
+        return {"tokens_per_s": recompute_tokens / seconds, "seconds": seconds, "output": ids[length:]}
+
+    def cached(steps: int = new_tokens) -> dict:
         cache.crop(length)
-    r, c = statistics.median(recompute), statistics.median(cached)
-    return {"length": length, "recompute_ms": 1e3 * r, "cached_ms": 1e3 * c, "speedup": r / c}
+        ids = [first]
+        start = time.perf_counter()
+        for _ in range(steps):
+            x = torch.tensor([[ids[-1]]], device=model.device)
+            ids.append(_argmax(model(x, cache=cache, last_only=True).logits))
+        seconds = time.perf_counter() - start
+        return {"tokens_per_s": steps / seconds, "seconds": seconds, "output": ids}
+
+    recompute()  # warm up: the passes over length, length + 1, ... tokens meet their shapes once
+    cached(1)  # and the one-token path
+    return interleave({"recompute": recompute, "cached": cached}, repeats, warmup=0, base="recompute",
+                      figure="tokens_per_s", check=["cached"], reference="recompute",
+                      compare=lambda want, got: first_difference(want, got[:len(want)], ("token",)))
+
+
+def measure_decode(model, length: int, cached_steps: int = 5, recompute_repeats: int = 1, seed: int = 0, *,
+                   repeats: int = 3) -> dict:
+    """Milliseconds to produce a next token after ``length`` tokens, without and with a cache:
+    :func:`compare_decode` with ``cached_steps`` cached tokens and ``recompute_repeats``
+    recomputed ones a round, ``repeats`` rounds.
+
+    Returns ``length``, ``recompute_ms`` and ``cached_ms`` (ms per token, medians over the rounds),
+    ``speedup`` (the median of the per-round ratios, recompute time over cached time),
+    ``speedup_min`` and ``speedup_max``, ``overlaps_1`` (the speedup's min..max includes 1),
+    ``rounds``, and ``mismatch`` (why the cached tokens differ from the recomputed ones, or None).
+    """
+    paired = compare_decode(model, length, cached_steps, recompute_repeats, repeats, seed)
+    r = paired.ratio("cached")
+    return {"length": length, "recompute_ms": 1e3 / paired.stats("recompute")["median"],
+            "cached_ms": 1e3 / paired.stats("cached")["median"], "speedup": r["median"],
+            "speedup_min": r["min"], "speedup_max": r["max"], "overlaps_1": r["overlaps_1"],
+            "rounds": paired.rounds, "mismatch": paired.mismatches.get("cached")}
 
 
 def decode_costs(model, length: int, cached: bool, elem: int) -> tuple[float, float]:
@@ -99,18 +144,20 @@ def decode_costs(model, length: int, cached: bool, elem: int) -> tuple[float, fl
 def _run_decode(size: dict, device) -> list[dict]:
     from llmu.models.loading import load_model
 
-    dtype = runtime.preferred_dtype(device)  # float32 on a CPU, bf16 on an A100/H100, fp16 on a T4
+    dtype = torch.float32  # on a GPU too: the tokens are compared (the module's docstring)
     model = load_model(dtype=dtype, device=device)
     t = size["T"]
-    # Bounded on a CPU: a 2048-token forward pass takes seconds, so it runs once there.
-    repeats = size.get("repeats", 1 if t >= 1024 else 3)
-    m = measure_decode(model, t, cached_steps=size.get("steps", 5), recompute_repeats=repeats)
+    paired = compare_decode(model, t, new_tokens=size.get("new", 64), recompute_tokens=size.get("recompute", 4),
+                            repeats=size.get("repeats", 3))
+    speedup = paired.ratio("cached")["median"]
     elem = torch.empty((), dtype=dtype).element_size()
     rows = []
-    for provider, ms in (("recompute", m["recompute_ms"]), ("cached", m["cached_ms"])):
+    for provider in paired.names:
         flops, nbytes = decode_costs(model, t, provider == "cached", elem)
-        rows.append(dict(provider=provider, label=f"{provider} (ms per token)", kind="torch", ms=ms,
-                         tokens_per_s=1e3 / ms, speedup=m["speedup"], flops=flops, bytes=nbytes, dtype=dtype))
+        fields = paired.row_fields(provider, key="tokens_per_s")
+        rows.append(dict(provider=provider, label=f"{provider} (ms per token)", kind="torch", **fields,
+                         speedup=speedup, tokens=size.get("new", 64) if provider == "cached" else size.get("recompute", 4),
+                         flops=flops, bytes=nbytes, dtype=dtype))
     return rows
 
 
@@ -118,10 +165,12 @@ KV_CACHE_DECODE = register(
     Entry(
         name="kv_cache_decode",
         module="06_kv_cache",
-        description="SmolLM2-135M, batch 1: ms for the next token after T tokens, recomputing them vs a KV cache",
+        description="SmolLM2-135M, batch 1: ms for the next tokens after T tokens, recomputing them vs a KV cache, "
+                    "in turn (paired speedup, identical tokens enforced)",
         run=_run_decode,
-        gpu_sizes=[{"T": t} for t in (128, 512, 2048, 4096)],
-        cpu_sizes=[{"T": t} for t in DECODE_LENGTHS],
+        gpu_sizes=[{"T": t, "new": 64, "recompute": 64, "repeats": 5} for t in (128, 512, 2048, 4096)],
+        cpu_sizes=[{"T": t, "new": 64, "recompute": r, "repeats": 3} for t, r in zip(DECODE_LENGTHS, (8, 4, 1))],
+        gpu_dtype=torch.float32,
         x_axis="T",
     )
 )

@@ -86,7 +86,7 @@ import torch.nn.functional as F
 from llmu.bench.peaks import dtype_name, peak_for
 from llmu.bench.registry import Entry, Provider, register
 from llmu.checks import require_size
-from llmu.bench.runner import throughput
+from llmu.bench.runner import YOURS, throughput
 from llmu.flash import bench as flash_bench
 from llmu.flash import kernels as flash_kernels
 from llmu.mamba import kernels, reference
@@ -152,12 +152,17 @@ def attention_bytes(size, elem: int) -> float:
 
 
 def costs(provider: str, size, elem: int) -> tuple[float, float]:
-    """``(flops, bytes)`` of one call of ``provider`` (a scan or an attention) at ``size``."""
-    if provider in SCAN_PROVIDERS:
+    """``(flops, bytes)`` of one call of ``provider`` (a scan or an attention) at ``size``; the
+    learner's kernel, ``"yours"``, is a scan."""
+    if _is_scan(provider):
         return scan_flops(size), scan_bytes(size, elem)
     if provider in ATTENTION_PROVIDERS:
         return attention_flops(size), attention_bytes(size, elem)
-    raise ValueError(f"provider must be one of {SCAN_PROVIDERS + ATTENTION_PROVIDERS}, got {provider!r}")
+    raise ValueError(f"provider must be one of {SCAN_PROVIDERS + (YOURS,) + ATTENTION_PROVIDERS}, got {provider!r}")
+
+
+def _is_scan(provider: str) -> bool:
+    return provider in SCAN_PROVIDERS or provider == YOURS
 
 
 def add_costs(results):
@@ -166,8 +171,8 @@ def add_costs(results):
     ``results``: what ``llmu.bench.run`` returns (or a list of its rows). Every measured row of
     this entry gets ``flops``, ``bytes`` (:func:`costs`), ``tflops``, ``gbs``, ``frac_flops`` and
     ``frac_bw`` (against the GPU's float32 peak for the scan, whose arithmetic is float32, and the
-    row's dtype for attention; None on a CPU) and ``tokens_per_s`` (``B·L`` per call). Other rows
-    are left as they are.
+    row's dtype for attention; None on a CPU) and ``tokens_per_s`` (``B·L`` per call). A learner's
+    kernel (the ``"yours"`` row) counts as a scan. Other rows are left as they are.
     """
     rows = results.get("rows", []) if isinstance(results, Mapping) else results
     env = (results.get("environment") or {}) if isinstance(results, Mapping) else {}
@@ -178,7 +183,7 @@ def add_costs(results):
         size, dtype = row["size"], row["dtype"]
         elem = torch.empty((), dtype=getattr(torch, dtype_name(dtype))).element_size()
         flops, nbytes = costs(row["provider"], size, elem)
-        peak_dtype = "float32" if row["provider"] in SCAN_PROVIDERS else dtype
+        peak_dtype = "float32" if _is_scan(row["provider"]) else dtype
         row.update(flops=flops, bytes=nbytes, tokens_per_s=size["B"] * size["L"] / (row["ms"] * 1e-3))
         row.update(throughput(row["ms"], flops, nbytes, peak, peak_dtype))
     return results

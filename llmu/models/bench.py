@@ -4,28 +4,42 @@ Loading (``model_load_s``, :func:`time_loads`): llmu's first load of a dtype deq
 file and writes the weights to its cache on disk; later loads map that file
 (:mod:`llmu.models.weight_cache`). transformers' ``from_pretrained`` of the same GGUF file beside them.
 
-Generating (``decode_tokens_per_s``): one measurement = batch 1, a prompt of ``prompt_len`` tokens,
-``new_tokens`` greedy tokens, the same fp32 weights and the same threads for both providers:
+Generating (``decode_tokens_per_s``, :func:`compare_decode`): batch 1, a prompt of ``prompt``
+tokens, exactly ``new`` greedy tokens (end-of-sequence ignored), the same float32 weights and the
+same threads for both providers. One generation gives both figures, the prefill timed apart:
 
-- prefill tokens/s = ``prompt_len / t(1 new token)``: the prompt in one forward pass;
-- decode tokens/s = ``(new_tokens - 1) / (t(new_tokens) - t(1))``: one forward pass per token,
+- prefill tokens/s = ``prompt / t_first``, ``t_first`` from the call to the first new token (the
+  prompt in one forward pass, and the first pick);
+- decode tokens/s = ``(new - 1) / (t_end - t_first)``: the other tokens, one forward pass each,
   each reading every weight once (memory-bound), so tokens/s is about bandwidth / model bytes.
+
+llmu and transformers are called in turn (``llmu, transformers, llmu, ...``, ``repeats`` rounds
+after a short warm-up, :func:`llmu.bench.interleave`); each row carries its median and spread,
+the paired ratio ``llmu_r / transformers_r`` of every round (median, min..max, and whether that
+includes 1), and the load average. Both must produce the same tokens: transformers' model is
+built from llmu's weights (``to_transformers``) and its generation config has no end-of-sequence
+token, so it stops after exactly ``new`` tokens as llmu does (``min_new_tokens`` would do that by
+setting the end token's logit to ``-inf``, which changes what greedy decoding picks). A round in
+which llmu's ids differ from transformers' makes llmu's rows errors, not speeds. The model runs in
+float32 on a GPU too: two implementations of the same function round differently, and in bf16
+that flips near-ties of the argmax within a few hundred tokens, so the ids could not be compared.
 
 FLOPs per decoded token are about ``2 * parameters`` (a multiply and an add per weight); bytes
 per decoded token about ``parameters * bytes_per_weight`` plus the KV cache read.
-transformers' model is built from llmu's weights (``to_transformers``), so both compute the same
-function; it is an optional provider (skipped when transformers is not installed).
+transformers is an optional provider (left out when it is not installed).
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
 
 from llmu import runtime
+from llmu.bench.paired import Paired, first_difference, interleave
 from llmu.bench.registry import Entry, register
+
+PROVIDERS = ("llmu", "transformers")
 
 
 def to_transformers(model):
@@ -56,69 +70,125 @@ def to_transformers(model):
     return hf.to(model.dtype).eval()
 
 
+def benchmark_copy(model):
+    """:func:`to_transformers` with no end-of-sequence token in its generation config: its
+    ``generate`` stops after ``max_new_tokens``, as ``llmu.models.generate_ids`` without
+    ``eos_ids`` does, and picks the same tokens."""
+    hf = to_transformers(model)
+    hf.generation_config.eos_token_id = None
+    return hf
+
+
 def _prompt(vocab_size: int, length: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(100, vocab_size, (1, length), generator=g)
 
 
-def time_llmu(model, prompt: torch.Tensor, new_tokens: int) -> float:
-    """Seconds for llmu to produce ``new_tokens`` greedy tokens after ``prompt`` (EOS ignored)."""
+def run_llmu(model, prompt: torch.Tensor, new_tokens: int) -> dict:
+    """One greedy generation of exactly ``new_tokens`` by llmu after ``prompt`` (``(1, T)``):
+    ``prefill_s`` (the call to the first new token), ``decode_s`` (first token to last) and ``ids``."""
     from llmu.models.generate import generate_ids
 
-    start = time.perf_counter()
-    for _ in generate_ids(model, prompt[0].tolist(), new_tokens):
-        pass
-    return time.perf_counter() - start
+    prompt_ids, ids = prompt[0].tolist(), []
+    start = first = time.perf_counter()
+    for token in generate_ids(model, prompt_ids, new_tokens):
+        if not ids:
+            first = time.perf_counter()
+        ids.append(token)
+    end = time.perf_counter()
+    return {"prefill_s": first - start, "decode_s": end - first, "ids": ids}
 
 
-def time_transformers(hf_model, prompt: torch.Tensor, new_tokens: int) -> float:
-    """Seconds for transformers' ``generate`` to produce exactly ``new_tokens`` greedy tokens."""
+def run_transformers(hf_model, prompt: torch.Tensor, new_tokens: int) -> dict:
+    """The same as :func:`run_llmu` with transformers' ``generate`` (greedy) on a model of
+    :func:`benchmark_copy`; the first new token is timed by a streamer, which ``generate`` hands
+    the prompt, then each new token as soon as it is picked."""
+    from transformers.generation.streamers import BaseStreamer
+
+    if hf_model.generation_config.eos_token_id is not None:
+        raise ValueError("the model's generation config has an eos_token_id: generate could stop early "
+                         "(use benchmark_copy(model))")
+
+    class FirstToken(BaseStreamer):
+        def __init__(self):
+            self.calls, self.first = 0, None
+
+        def put(self, value):
+            self.calls += 1
+            if self.calls == 2:  # the first call hands the prompt
+                self.first = time.perf_counter()
+
+        def end(self):
+            pass
+
+    streamer = FirstToken()
     start = time.perf_counter()
     with torch.inference_mode():
         out = hf_model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
-                                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    elapsed = time.perf_counter() - start
-    assert out.shape[1] == prompt.shape[1] + new_tokens
-    return elapsed
+                                do_sample=False, pad_token_id=0, streamer=streamer)
+    end = time.perf_counter()
+    ids = out[0, prompt.shape[1]:].tolist()
+    if len(ids) != new_tokens:
+        raise RuntimeError(f"transformers generated {len(ids)} tokens, not {new_tokens}")
+    first = streamer.first if streamer.first is not None else end
+    return {"prefill_s": first - start, "decode_s": end - first, "ids": ids}
 
 
-def measure(model, prompt_len: int = 128, new_tokens: int = 128, repeats: int = 3, hf_model=None,
-            providers=("llmu", "transformers")) -> dict:
-    """Prefill and decode tokens/s of each provider (median over ``repeats``, interleaved runs)."""
+def compare_decode(model, prompt_len: int = 128, new_tokens: int = 64, repeats: int = 5, hf_model=None,
+                   providers=PROVIDERS) -> Paired:
+    """Prefill and decode tokens/s of each provider, called in turn for ``repeats`` rounds after a
+    two-token warm-up each; ids checked against transformers' (the module's docstring).
+
+    Each round's figures: ``decode_tokens_per_s`` (the default one) and ``prefill_tokens_per_s``;
+    the output: the new token ids. ``hf_model``: a :func:`benchmark_copy` of ``model`` (made here
+    when ``None``). With both providers the ratios are llmu's over transformers'.
+    """
     if new_tokens < 2:
         raise ValueError(f"new_tokens must be >= 2 to time decoding, got {new_tokens}")
+    unknown = [p for p in providers if p not in PROVIDERS]
+    if unknown or not providers:
+        raise ValueError(f"providers must be some of {PROVIDERS}, got {tuple(providers)}")
     prompt = _prompt(model.config.vocab_size, prompt_len).to(model.device)
-    timers = {}
+    runs = {}
     if "llmu" in providers:
-        timers["llmu"] = lambda n: time_llmu(model, prompt, n)
+        runs["llmu"] = lambda n: run_llmu(model, prompt, n)
     if "transformers" in providers:
-        if hf_model is None:
-            hf_model = to_transformers(model)
-        timers["transformers"] = lambda n: time_transformers(hf_model, prompt, n)
-    for fn in timers.values():  # warm up (first calls allocate and pick kernels)
-        fn(2)
-    samples = {name: {"one": [], "all": []} for name in timers}
-    for _ in range(repeats):
-        for name, fn in timers.items():  # interleaved, so a busy moment hurts both alike
-            samples[name]["one"].append(fn(1))
-            samples[name]["all"].append(fn(new_tokens))
+        hf = hf_model if hf_model is not None else benchmark_copy(model)
+        runs["transformers"] = lambda n: run_transformers(hf, prompt, n)
+    for run in runs.values():  # warm up (first calls allocate and pick kernels)
+        run(2)
+
+    def figures(run) -> dict:
+        r = run(new_tokens)
+        return {"decode_tokens_per_s": (new_tokens - 1) / max(r["decode_s"], 1e-9),
+                "prefill_tokens_per_s": prompt_len / max(r["prefill_s"], 1e-9), "output": r["ids"]}
+
+    calls = {name: (lambda run=run: figures(run)) for name, run in runs.items()}
+    both = len(calls) == 2
+    return interleave(calls, repeats, warmup=0, base="transformers" if both else None,
+                      figure="decode_tokens_per_s", check=both,
+                      compare=lambda want, got: first_difference(want, got, ("token",)))
+
+
+def measure(model, prompt_len: int = 128, new_tokens: int = 64, repeats: int = 5, hf_model=None,
+            providers=PROVIDERS) -> dict:
+    """:func:`compare_decode` as numbers per provider: ``prefill_tokens_per_s`` and
+    ``decode_tokens_per_s`` (medians over the rounds), ``prefill_s`` and ``decode_s`` (the
+    seconds those medians give: ``prompt_len / prefill`` and ``(new_tokens - 1) / decode``)."""
+    paired = compare_decode(model, prompt_len, new_tokens, repeats, hf_model, providers)
     out = {}
-    for name, s in samples.items():
-        one, full = statistics.median(s["one"]), statistics.median(s["all"])
-        decode_s = max(full - one, 1e-9)
-        out[name] = {
-            "prefill_s": one,
-            "decode_s": decode_s,
-            "prefill_tokens_per_s": prompt_len / one,
-            "decode_tokens_per_s": (new_tokens - 1) / decode_s,
-        }
+    for name in paired.names:
+        prefill = paired.stats(name, "prefill_tokens_per_s")["median"]
+        decode = paired.stats(name, "decode_tokens_per_s")["median"]
+        out[name] = {"prefill_s": prompt_len / prefill, "decode_s": (new_tokens - 1) / decode,
+                     "prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode}
     return out
 
 
 def _run(size: dict, device) -> list[dict]:
     from llmu.models.loading import load_model
 
-    dtype = runtime.preferred_dtype(device)  # float32 on a CPU, bf16 on an A100/H100, fp16 on a T4
+    dtype = torch.float32  # on a GPU too: the ids are compared (the module's docstring)
     model = load_model(dtype=dtype, device=device)
     providers = ["llmu"]
     try:
@@ -127,17 +197,17 @@ def _run(size: dict, device) -> list[dict]:
         providers.append("transformers")
     except ImportError:
         pass
-    p, n = size.get("prompt", 128), size.get("new", 128)
-    result = measure(model, p, n, repeats=size.get("repeats", 3), providers=tuple(providers))
+    p, n = size.get("prompt", 128), size.get("new", 64)
+    paired = compare_decode(model, p, n, repeats=size.get("repeats", 5), providers=tuple(providers))
     params = model.num_parameters()
     elem = torch.empty((), dtype=dtype).element_size()
     rows = []
-    for provider, r in result.items():
-        for phase, tokens in (("prefill", p), ("decode", n - 1)):
-            seconds = r[f"{phase}_s"]
+    for provider in paired.names:
+        for phase in ("prefill", "decode"):
+            fields = paired.row_fields(provider, f"{phase}_tokens_per_s", key="tokens_per_s")
             rows.append(dict(
                 provider=provider, label=f"{provider} {phase}", kind="torch" if provider == "llmu" else "external",
-                phase=phase, tokens_per_s=r[f"{phase}_tokens_per_s"], ms=1e3 * seconds / tokens,
+                phase=phase, **fields, speedup=1.0 if fields["ratio"] is None else fields["ratio"],
                 flops=2.0 * params, bytes=float(params * elem), dtype=dtype,
             ))
     return rows
@@ -147,11 +217,12 @@ DECODE = register(
     Entry(
         name="decode_tokens_per_s",
         module="00_welcome",
-        description="SmolLM2-135M generation, batch 1: prefill and decode tokens/s, llmu vs transformers "
-                    "(ms, flops, bytes per token)",
+        description="SmolLM2-135M generation, batch 1: prefill and decode tokens/s, llmu vs transformers in turn "
+                    "(paired ratio, identical greedy ids enforced; ms, flops, bytes per token)",
         run=_run,
-        gpu_sizes=[{"prompt": 128, "new": 128}, {"prompt": 1024, "new": 128}],
-        cpu_sizes=[{"prompt": 128, "new": 128}],
+        gpu_sizes=[{"prompt": 128, "new": 128, "repeats": 5}, {"prompt": 1024, "new": 128, "repeats": 5}],
+        cpu_sizes=[{"prompt": 128, "new": 64, "repeats": 5}],
+        gpu_dtype=torch.float32,
         x_axis="prompt",
     )
 )

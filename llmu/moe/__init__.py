@@ -17,7 +17,7 @@
   (``count_parameters``, ``flops_per_token``, ``with_experts``; Mixtral-8x7B's 46.7B / 12.9B).
 - ``train``: a small byte-level MoE language model trained on CPU, recording every expert's load
   at every step (``train``, ``load_stats``), for the collapse-versus-balance experiment.
-- ``bench``: the ``moe_grouped_gemm``, ``moe_grouped_gemm_fine`` and ``moe_layer`` entries.
+- ``bench``: the ``moe_gather_rows``, ``moe_grouped_gemm``, ``moe_grouped_gemm_fine`` and ``moe_layer`` entries.
 - ``expert_parallel``: the same layer with its experts spread over ``W`` ``torch.distributed``
   processes (``ExpertParallelMoE``, ``expert_parallel_moe``): tokens go to their experts' ranks
   and back by two all-to-all exchanges, forward and backward; ``launch(demo, 2)`` (from

@@ -1,4 +1,5 @@
-"""Benchmark entries of module 12: an MoE layer's experts on tokens grouped by expert, and the whole layer.
+"""Benchmark entries of module 12: an MoE layer's experts on tokens grouped by expert, the whole layer,
+and the row gather of its permute step.
 
 An MoE layer routes each of ``T`` tokens to ``k`` of ``E`` experts, then runs every expert's
 SwiGLU MLP on the rows routed to it. Once the ``T·k`` token copies are sorted by expert
@@ -72,6 +73,25 @@ of each copy::
 (the routing's own tensors, ``T·k`` ids and weights and ``T·E`` float32 logits, are well under one
 percent of that and left out). Same sizes as ``moe_grouped_gemm``.
 
+``moe_gather_rows`` times the copy of the permute step alone (exercise 4 of the notebook):
+``x_sorted = x[src]`` with ``src = order // k`` ``(T·k,)`` int64, the token of each copy once the
+copies are sorted by expert, for ``x`` ``(T, H)``. Providers: ``llmu triton``
+(``kernels.gather_rows``, one program per tile of 16 rows and 128 columns) and
+``torch index_select`` (``x.index_select(0, src)``: the rows of ``x[src]``). A copy does no
+arithmetic, so the entry has no FLOP formula and its figure is in GB/s; its bytes, with
+``M = T·k`` rows::
+
+    bytes = elem·2·M·H       every output row reads one row of x and writes it (a token's row is
+                             read once per copy, k times: the ideal traffic would read x once,
+                             elem·(T·H + M·H), but the kernel issues one read per copy and leaves
+                             any reuse to the cache)
+            + 8·M            src, int64
+
+At Mixtral's ``H = 4096`` and ``T = 4096`` in bfloat16 that is 134 MB, about 30 us at an H200's
+4.8 TB/s (``llmu.moe.kernels``'s napkin math). Its sizes: Mixtral's ``k = 2`` of ``E = 8`` and
+``H = 4096``, ``T = 512 .. 16384``, on a GPU; ``H = 512`` on a CPU. The rows are those of the seeded
+router above: :func:`gather_setup` routes the same ``x`` as :func:`make_layer`.
+
 Routing: a seeded router, ``softmax(x W_r^T)`` top-``k`` (``reference.top_k_route``), on tokens
 ``x = n + μ`` whose noise ``n`` is standard normal and whose mean ``μ`` (one vector shared by all
 tokens, as real hidden states have) gives every expert a constant logit offset ``μ·w_e``
@@ -106,26 +126,36 @@ from llmu.layers.reference import silu_mul, swiglu
 from llmu.layers.swiglu import swiglu_fused
 from llmu.moe import kernels, reference
 
-__all__ = ["MOE_GROUPED_GEMM", "MOE_GROUPED_GEMM_FINE", "MOE_LAYER", "GroupedExperts", "make_layer",
-           "grouped_setup", "layer_setup", "check_size", "experts_flops", "experts_bytes", "layer_flops",
-           "layer_bytes", "experts_triton", "experts_loop", "experts_grouped_mm", "layer_triton", "layer_loop",
-           "layer_grouped_mm", "SIZE_KEYS"]
+__all__ = ["MOE_GROUPED_GEMM", "MOE_GROUPED_GEMM_FINE", "MOE_LAYER", "MOE_GATHER_ROWS", "GroupedExperts",
+           "make_layer", "grouped_setup", "layer_setup", "gather_setup", "check_size", "check_gather_size",
+           "experts_flops", "experts_bytes", "layer_flops", "layer_bytes", "gather_bytes", "experts_triton",
+           "experts_loop", "experts_grouped_mm", "layer_triton", "layer_loop", "layer_grouped_mm",
+           "gather_torch", "SIZE_KEYS", "GATHER_SIZE_KEYS"]
 
 MODULE = "12_mixture_of_experts"
 
 #: The keys of a size: tokens, experts per token, experts, hidden width, expert width.
 SIZE_KEYS = ("T", "k", "E", "H", "F")
 
+#: The keys of a ``moe_gather_rows`` size: the same without the expert width (a copy has no experts' work).
+GATHER_SIZE_KEYS = ("T", "k", "E", "H")
+
 #: Standard deviation of the per-expert logit offset ``μ·w_e`` (the token-dependent part has 1).
 ROUTER_SKEW = 0.2
 
 
-def check_size(size) -> tuple[int, int, int, int, int]:
-    """``(T, k, E, H, F)`` of a size dict, or ValueError/TypeError naming what is wrong."""
-    require_size(size, SIZE_KEYS)
+def check_size(size, keys: tuple[str, ...] = SIZE_KEYS) -> tuple[int, ...]:
+    """The values of ``keys`` in a size dict, ``(T, k, E, H, F)`` by default, or ValueError/TypeError naming
+    what is wrong."""
+    require_size(size, keys)
     if size["k"] > size["E"]:
         raise ValueError(f"size['k'] (experts per token) must be at most size['E'] = {size['E']}, got {size['k']}")
-    return tuple(size[key] for key in SIZE_KEYS)
+    return tuple(size[key] for key in keys)
+
+
+def check_gather_size(size) -> tuple[int, int, int, int]:
+    """``(T, k, E, H)`` of a ``moe_gather_rows`` size dict, or ValueError/TypeError naming what is wrong."""
+    return check_size(size, GATHER_SIZE_KEYS)
 
 
 def experts_flops(size) -> float:
@@ -154,6 +184,13 @@ def layer_bytes(size, elem: int) -> float:
     return float(elem * (3 * e * h * f + e * h + 2 * t * h + 6 * m * h + 6 * m * f))
 
 
+def gather_bytes(size, elem: int) -> float:
+    """``elem·2·T·k·H + 8·T·k``: each copy's row of x read and written, its int64 source index read."""
+    t, k, _, h = check_gather_size(size)
+    m = t * k
+    return float(elem * 2 * m * h + 8 * m)
+
+
 # ----------------------------------------------------------------------------------------------
 # Inputs: a seeded router, then the token copies sorted by expert
 # ----------------------------------------------------------------------------------------------
@@ -167,7 +204,20 @@ def make_layer(size, device="cpu", dtype=torch.float32, seed: int = 0) -> dict:
     routing: ``experts``, ``weights`` ``(T, k)`` from ``reference.top_k_route`` on float32 logits,
     exactly what ``reference.moe_reference(x, router_weight, ..., k)`` decides.
     """
-    t, k, e, h, f = check_size(size)
+    _, k, e, h, f = check_size(size)
+    randn, x, router_weight = _tokens_and_router(size, device, dtype, seed)
+    layer = dict(x=x, router_weight=router_weight,
+                 w_gate=randn(e, f, h, scale=h ** -0.5), w_up=randn(e, f, h, scale=h ** -0.5),
+                 w_down=randn(e, h, f, scale=f ** -0.5))
+    aux = reference.route(x, router_weight, k)   # the reference's own router: the same decisions
+    layer.update(experts=aux.experts, weights=aux.weights)
+    return layer
+
+
+def _tokens_and_router(size, device, dtype, seed: int):
+    """The first draws of :func:`make_layer`: its ``randn`` (for the draws that follow), ``x`` ``(T, H)`` and
+    ``W_r`` ``(E, H)``."""
+    t, e, h = size["T"], size["E"], size["H"]
     g = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape, scale=1.0, dtype=dtype):  # drawn in the target dtype: no float32 copy of 22 GB
@@ -176,13 +226,7 @@ def make_layer(size, device="cpu", dtype=torch.float32, seed: int = 0) -> dict:
     # Tokens share a mean direction mu: mu . w_e is a constant offset per expert, so loads are uneven.
     mu = randn(h, scale=ROUTER_SKEW, dtype=torch.float32)
     x = (randn(t, h, dtype=torch.float32) + mu).to(dtype)
-    router_weight = randn(e, h, scale=h ** -0.5)
-    layer = dict(x=x, router_weight=router_weight,
-                 w_gate=randn(e, f, h, scale=h ** -0.5), w_up=randn(e, f, h, scale=h ** -0.5),
-                 w_down=randn(e, h, f, scale=f ** -0.5))
-    aux = reference.route(x, router_weight, k)   # the reference's own router: the same decisions
-    layer.update(experts=aux.experts, weights=aux.weights)
-    return layer
+    return randn, x, randn(e, h, scale=h ** -0.5)
 
 
 class GroupedExperts(NamedTuple):
@@ -207,6 +251,16 @@ def grouped_setup(size, device, dtype) -> GroupedExperts:
     x_sorted = layer["x"][order // size["k"]]
     return GroupedExperts(x_sorted, layer["w_gate"], layer["w_up"], layer["w_down"], offsets,
                           tuple(offsets.tolist()), offsets[1:].to(torch.int32))
+
+
+def gather_setup(size, device, dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe_gather_rows``'s ``setup``: ``(x, src)``, ``x`` ``(T, H)`` and ``src = order // k`` ``(T·k,)``
+    int64, the token of each copy sorted by expert, as :func:`make_layer`'s router sends them (no
+    expert weights are drawn)."""
+    _, k, e, _ = check_gather_size(size)
+    _, x, router_weight = _tokens_and_router(size, device, dtype, seed)
+    order, _, _ = kernels.sort_by_expert(reference.route(x, router_weight, k).experts, e)
+    return x, order // k
 
 
 def layer_setup(size, device, dtype) -> tuple:
@@ -251,6 +305,11 @@ def experts_grouped_mm(x_sorted, w_gate, w_up, w_down, offsets, bounds, ends):
     gate = grouped_mm(x_sorted, w_gate.transpose(1, 2), offs=ends)
     up = grouped_mm(x_sorted, w_up.transpose(1, 2), offs=ends)
     return grouped_mm(silu_mul(gate, up), w_down.transpose(1, 2), offs=ends)
+
+
+def gather_torch(x, src):
+    """``x[src]`` in PyTorch: ``index_select`` along the rows."""
+    return x.index_select(0, src)
 
 
 def layer_triton(x, router_weight, w_gate, w_up, w_down, k):
@@ -331,6 +390,25 @@ MOE_LAYER = register(
         bytes=layer_bytes,
         gpu_sizes=list(MOE_GROUPED_GEMM.gpu_sizes),
         cpu_sizes=list(MOE_GROUPED_GEMM.cpu_sizes),
+        x_axis="T",
+    )
+)
+
+MOE_GATHER_ROWS = register(
+    Entry(
+        name="moe_gather_rows",
+        module=MODULE,
+        description="the permute step's copy, x_sorted = x[order // k]: T·k rows of width H gathered into "
+                    "expert order, Mixtral-8x7B shapes (k=2 of E=8, H=4096); GB/s (a copy has no FLOPs)",
+        providers={
+            "llmu triton": Provider(kernels.gather_rows, "triton", "llmu gather_rows"),
+            "torch index_select": Provider(gather_torch, "builtin", "torch index_select"),
+        },
+        setup=gather_setup,
+        flops=None,
+        bytes=gather_bytes,
+        gpu_sizes=[{"T": t, "k": 2, "E": 8, "H": 4096} for t in (512, 1024, 2048, 4096, 8192, 16384)],
+        cpu_sizes=[{"T": t, "k": 2, "E": 8, "H": 512} for t in (256, 512, 1024, 2048)],
         x_axis="T",
     )
 )

@@ -27,28 +27,64 @@ import torch.nn.functional as F
 from llmu.attention.reference import causal_mask
 from llmu.paged import reference
 
-__all__ = ["PagedKVCache", "PagedBatch", "torch_paged_attention", "IMPLS"]
+__all__ = ["PagedKVCache", "PagedBatch", "DecodeIndex", "torch_paged_attention", "IMPLS"]
 
 IMPLS = ("triton", "torch", "reference")
 
 
+class DecodeIndex:
+    """Where each sequence's context lies in the pool, for steps that decode one token per sequence.
+
+    Every layer of a step reads the same positions of its own pool, so the index is built once per
+    step (:class:`PagedBatch` keeps it) and used by all of them. Two ways to read the context:
+
+    - a **view**, when there is one sequence and its blocks are consecutive in the pool (the block
+      manager hands out free blocks in order, so a lone sequence's usually are): its keys and
+      values are one slice of the pool, read in place, nothing copied;
+    - a **gather** otherwise: every sequence's slots in position order, padded to the longest
+      context by repeating the sequence's last position (a real, finite row that the mask gives
+      weight 0), copied out of the pool in one indexing operation per layer.
+    """
+
+    def __init__(self, block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int):
+        lens = context_lens.tolist()
+        self.batch = len(lens)
+        self.view = None  # (first pool row, length) of the single sequence's contiguous context
+        if self.batch == 1:
+            used = block_tables[0, : -(-lens[0] // block_size)].tolist()
+            if all(b - a == 1 for a, b in zip(used, used[1:])):
+                self.view = (used[0] * block_size, lens[0])
+                return
+        device = block_tables.device
+        max_len = max(lens)
+        lens_t = context_lens.to(device).long()
+        pos = torch.minimum(torch.arange(max_len, device=device)[None, :], lens_t[:, None] - 1)  # (B, L)
+        self.slots = block_tables.long().gather(1, pos // block_size) * block_size + pos % block_size
+        # no mask when every context has the same length: SDPA then takes its unmasked path
+        self.mask = None if min(lens) == max_len else \
+            (torch.arange(max_len, device=device)[None, :] < lens_t[:, None])[:, None, None, :]
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """``q`` ``(B, H, D)``, one query per sequence, against its context; returns ``(B, H, D)``."""
+        nb, bs, hkv, d = k_cache.shape
+        b, h, _ = q.shape
+        if self.view is not None:
+            start, length = self.view
+            k = k_cache.view(nb * bs, hkv, d)[start : start + length].transpose(0, 1)[None]  # (1, Hkv, L, D), a view
+            v = v_cache.view(nb * bs, hkv, d)[start : start + length].transpose(0, 1)[None]
+            mask = None
+        else:
+            k = k_cache.view(nb * bs, hkv, d)[self.slots].transpose(1, 2)  # (B, Hkv, L, D)
+            v = v_cache.view(nb * bs, hkv, d)[self.slots].transpose(1, 2)
+            mask = self.mask
+        # the G query heads of a KV head go through as G "positions" of that head (no repeat of K/V)
+        out = F.scaled_dot_product_attention(q.reshape(b, hkv, h // hkv, d), k, v, attn_mask=mask, scale=scale)
+        return out.reshape(b, h, d)
+
+
 def _decode_rows(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """One query per sequence (``q`` ``(B, H, D)``): gather every table at once, padded, masked."""
-    nb, bs, hkv, d = k_cache.shape
-    b, h, _ = q.shape
-    # every sequence's slots in position order, padded to the longest context: padding repeats the
-    # sequence's last position (a real, finite row; the mask gives it weight 0)
-    max_len = int(context_lens.max())
-    lens = context_lens.to(q.device).long()
-    pos = torch.minimum(torch.arange(max_len, device=q.device)[None, :], lens[:, None] - 1)  # (B, L)
-    slots = block_tables.long().gather(1, pos // bs) * bs + pos % bs
-    k = k_cache.view(nb * bs, hkv, d)[slots].transpose(1, 2)  # (B, Hkv, L, D)
-    v = v_cache.view(nb * bs, hkv, d)[slots].transpose(1, 2)
-    valid = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]
-    # the G query heads of a KV head go through as G "positions" of that head (no repeat of K/V)
-    out = F.scaled_dot_product_attention(q.reshape(b, hkv, h // hkv, d), k, v, attn_mask=valid[:, None, None, :],
-                                         scale=scale)
-    return out.reshape(b, h, d)
+    """One query per sequence (``q`` ``(B, H, D)``) against its paged context."""
+    return DecodeIndex(block_tables, context_lens, k_cache.shape[1]).attend(q, k_cache, v_cache, scale)
 
 
 def torch_paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, *, scale,
@@ -178,6 +214,7 @@ class PagedBatch:
             raise ValueError(f"cu_seqlens_q must have {b + 1} entries and context_lens {b}, got "
                              f"{tuple(self.cu_seqlens_q.shape)} and {tuple(self.context_lens.shape)}")
         self.decode_only = n == b  # one new token per sequence (cu_seqlens_q then is 0, 1, ..., B)
+        self._decode_index = None  # built by the first layer that attends, used by every other
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -> torch.Tensor:
         """Store ``k``, ``v`` (``(1, Hkv, N, D)``) at their slots, attend ``q`` (``(1, H, N, D)``)."""
@@ -190,7 +227,11 @@ class PagedBatch:
         nb, bs, hkv, d = kc.shape
         kc.view(nb * bs, hkv, d).index_copy_(0, self.slots, k)
         vc.view(nb * bs, hkv, d).index_copy_(0, self.slots, v)
-        if self.impl == "torch":
+        if self.impl == "torch" and self.decode_only:
+            if self._decode_index is None:
+                self._decode_index = DecodeIndex(self.block_tables, self.context_lens, bs)
+            out = self._decode_index.attend(q, kc, vc, scale)
+        elif self.impl == "torch":
             out = torch_paged_attention(q, kc, vc, self.block_tables, self.cu_seqlens_q, self.context_lens,
                                         scale=scale, decode_only=self.decode_only)
         elif self.impl == "reference":

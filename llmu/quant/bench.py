@@ -1,9 +1,13 @@
 """Benchmark of module 10: does int8 weight-only quantization make decoding faster?
 
-``int8_decode`` (a whole-model ``run=`` entry): SmolLM2-135M, batch 1, greedy decode tokens/s with
-the projections of the blocks in floating point against the same model with them quantized to
-8-bit symmetric per-channel weights (``quantize_model(model, bits=8, symmetric=True,
-granularity="channel")``), timed side by side (interleaved runs, median of ``repeats``).
+``int8_decode`` (a whole-model ``run=`` entry, :func:`compare_decode`): SmolLM2-135M, batch 1,
+greedy decode tokens/s with the projections of the blocks in floating point against the same
+model with them quantized to 8-bit symmetric per-channel weights (``quantize_model(model, bits=8,
+symmetric=True, granularity="channel")``). The two models run in turn (``float, int8, float,
+...``, ``repeats`` rounds after a two-token warm-up each, :func:`llmu.bench.interleave`); each
+run generates exactly ``new`` tokens after a prompt of ``prompt`` tokens, and its decode tokens/s
+leaves the prefill out: ``(new - 1) / (t_end - t_first)``, ``t_first`` the time of the first new
+token (as ``decode_tokens_per_s`` of module 00 times it).
 
 Decoding one token reads every weight once and does two FLOPs per weight: at batch 1 it is
 memory-bound, so tokens/s should follow the bytes of the weights — int8 moves a quarter of
@@ -15,21 +19,25 @@ little while the copy stays in the CPU's caches (SmolLM2's matrices are at most 
 float32) and a lot once it does not. The rows say which path ran.
 
 Rows (``provider``): on a CPU ``fp32``, ``int8 (fp32 activations)``, ``bf16``, ``int8 (bf16
-activations)``; on a GPU the bf16 pair. ``ratio``: tokens/s over the float model with the same
-activation dtype; ``ratio_vs_fp32``: over the fp32 model (CPU). FLOPs per token ``2 * P`` (P
-parameters, the LM head included), bytes per token the weights as stored (``model_nbytes``).
+activations)``; on a GPU the bf16 pair. ``ratio``: the median of the per-round ratios of
+tokens/s over the float model with the same activation dtype (with its min..max, whether that
+includes 1, and the load average); ``ratio_vs_fp32`` (CPU): the median tokens/s over the fp32
+model's, which ran in another pair (one pair at a time: two models in memory, never four), so it
+is a ratio of medians, not a paired one. The outputs are not compared: int8 weights change the
+function, so their greedy tokens part from the float model's sooner or later. FLOPs per token
+``2 * P`` (P parameters, the LM head included), bytes per token the weights as stored
+(``model_nbytes``).
 """
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 
 from llmu import runtime
+from llmu.bench.paired import Paired, interleave
 from llmu.bench.registry import Entry, register
 
-__all__ = ["INT8_DECODE", "measure_decode", "int8_model"]
+__all__ = ["INT8_DECODE", "compare_decode", "measure_decode", "int8_model"]
 
 
 def int8_model(model):
@@ -39,14 +47,14 @@ def int8_model(model):
     return quantize_model(model, "rtn", bits=8, symmetric=True, granularity="channel")
 
 
-def measure_decode(models: dict, prompt_len: int = 32, new_tokens: int = 17, repeats: int = 3,
-                   seed: int = 0) -> dict[str, float]:
-    """Decode tokens/s of each model (name -> model), batch 1, greedy, runs interleaved.
+def compare_decode(models: dict, prompt_len: int = 32, new_tokens: int = 17, repeats: int = 3,
+                   seed: int = 0) -> Paired:
+    """Decode tokens/s of each model (name -> model), batch 1, greedy, in turn, ``repeats`` rounds.
 
-    Decode time = ``t(new_tokens) - t(1)`` (the first token costs the prefill), over
-    ``new_tokens - 1`` tokens; the median of ``repeats`` runs.
+    Figure ``decode_tokens_per_s``: ``(new_tokens - 1) / (t_end - t_first)``, the prefill left out;
+    output: the new ids (kept, not compared). Ratios are over the first model.
     """
-    from llmu.models.bench import _prompt, time_llmu
+    from llmu.models.bench import _prompt, run_llmu
 
     if new_tokens < 2:
         raise ValueError(f"new_tokens must be >= 2 to time decoding, got {new_tokens}")
@@ -55,15 +63,23 @@ def measure_decode(models: dict, prompt_len: int = 32, new_tokens: int = 17, rep
     vocab = min(m.config.vocab_size for m in models.values())
     prompt = _prompt(vocab, prompt_len, seed)
     for model in models.values():  # warm up (first calls allocate and pick kernels)
-        time_llmu(model, prompt.to(model.device), 2)
-    samples = {name: [] for name in models}
-    for _ in range(repeats):
-        for name, model in models.items():  # interleaved: a busy moment hurts all alike
-            p = prompt.to(model.device)
-            one = time_llmu(model, p, 1)
-            full = time_llmu(model, p, new_tokens)
-            samples[name].append(max(full - one, 1e-9))
-    return {name: (new_tokens - 1) / statistics.median(s) for name, s in samples.items()}
+        run_llmu(model, prompt.to(model.device), 2)
+
+    def call(model):
+        def one_run() -> dict:
+            r = run_llmu(model, prompt.to(model.device), new_tokens)
+            return {"decode_tokens_per_s": (new_tokens - 1) / max(r["decode_s"], 1e-9), "output": r["ids"]}
+        return one_run
+
+    return interleave({name: call(model) for name, model in models.items()}, repeats, warmup=0,
+                      base=next(iter(models)))
+
+
+def measure_decode(models: dict, prompt_len: int = 32, new_tokens: int = 17, repeats: int = 3,
+                   seed: int = 0) -> dict[str, float]:
+    """:func:`compare_decode`'s median decode tokens/s of each model (name -> tokens/s)."""
+    paired = compare_decode(models, prompt_len, new_tokens, repeats, seed)
+    return {name: paired.stats(name)["median"] for name in paired.names}
 
 
 def _path(model) -> str:
@@ -86,16 +102,16 @@ def _run(size: dict, device) -> list[dict]:
         base = load_model(dtype=dtype, device=device)
         quant = int8_model(base)
         name, qname = names[dtype], f"int8 ({names[dtype]} activations)"
-        tps = measure_decode({name: base, qname: quant}, size.get("prompt", 32), size.get("new", 17),
-                             size.get("repeats", 3))
+        paired = compare_decode({name: base, qname: quant}, size.get("prompt", 32), size.get("new", 64),
+                                size.get("repeats", 3))
         if dtype == torch.float32:
-            fp32_tps = tps[name]
+            fp32_tps = paired.stats(name)["median"]
         params = base.num_parameters()
         for provider, model in ((name, base), (qname, quant)):
+            fields = paired.row_fields(provider, key="tokens_per_s")
             rows.append(dict(
-                provider=provider, label=f"{provider} decode", kind="torch", phase="decode",
-                tokens_per_s=tps[provider], ms=1e3 / tps[provider], ratio=tps[provider] / tps[name],
-                ratio_vs_fp32=None if fp32_tps is None else tps[provider] / fp32_tps,
+                provider=provider, label=f"{provider} decode", kind="torch", phase="decode", **fields,
+                ratio_vs_fp32=None if fp32_tps is None else fields["tokens_per_s"] / fp32_tps,
                 flops=2.0 * params, bytes=float(model_nbytes(model)), dtype=dtype, path=_path(model),
             ))
         del base, quant  # before the next dtype's pair is loaded: two models in memory, never four
@@ -107,10 +123,10 @@ INT8_DECODE = register(
         name="int8_decode",
         module="10_quantization",
         description="SmolLM2-135M decode tokens/s at batch 1: float weights vs int8 weight-only (torch path), "
-                    "side by side, with the ratio",
+                    "in turn, with the paired ratio",
         run=_run,
-        gpu_sizes=[{"prompt": 128, "new": 128}],
-        cpu_sizes=[{"prompt": 32, "new": 17, "repeats": 3}],
+        gpu_sizes=[{"prompt": 128, "new": 128, "repeats": 5}],
+        cpu_sizes=[{"prompt": 32, "new": 64, "repeats": 3}],
         x_axis="prompt",
     )
 )

@@ -8,10 +8,12 @@
   ``latency_metrics()`` (TTFT, TPOT, TTLT of the real model);
 - :mod:`llmu.roofline.points`: the registered ops as points, prefill-like or decode-like;
 - :mod:`llmu.roofline.plot`: ``roofline_figure()`` (imports plotly on first use);
-- :mod:`llmu.roofline.bench`: the ``gemm`` and ``gemv`` benchmark entries.
+- :mod:`llmu.roofline.kernels`: ``matmul()``, a tiled Triton matmul with its tiles chosen for the
+  GPU (``Tiles``, ``default_tiles``, ``shared_memory_bytes``); imported on its own, not here;
+- :mod:`llmu.roofline.bench`: the ``gemm`` and ``gemv`` benchmark entries (PyTorch's matmul, and
+  the Triton matmul for ``gemm``).
 
-Course notebook: ``05_prefill_decode``. There is no Triton kernel in this module: it measures the
-ops of the others, and PyTorch's own matmul is the op it times.
+Course notebook: ``05_prefill_decode``.
 """
 
 from llmu.roofline.measure import (MachineRoof, TokenLatency, gemv_sweep, latency_metrics, measure_machine,

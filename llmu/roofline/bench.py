@@ -9,9 +9,11 @@ matrix. FLOPs ``2 B N K``, bytes ``elem (N K + B K + B N)``: the weight dominate
 intensity is about ``2 B / elem`` FLOP per byte (``B`` in bf16). Timing ``B = 1, 4, 16, 64``
 shows the time hardly changing while the FLOPs grow, until the point reaches the ridge.
 
-Both are timed through ``torch.nn.functional.linear`` (cuBLAS on a GPU, oneDNN/MKL on a CPU):
-the course has no kernel of its own for a matmul; this module measures where the ones every
-other module uses sit against the roofs.
+Both are timed through ``torch.nn.functional.linear`` (cuBLAS on a GPU, oneDNN/MKL on a CPU), the
+matmul every other module uses. ``gemm`` also times the course's own tiled Triton matmul,
+:func:`llmu.roofline.kernels.matmul` (``W^T`` passed as a transposed view, no copy), with its tiles
+chosen for the GPU; the notebook's exercise 5 sets the learner's kernel beside it. A GEMV is left
+to ``F.linear``: a tiled GEMM kernel spends almost all of its ``M = 1`` tile on padding.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from llmu.bench.registry import Entry, Provider, register
+from llmu.roofline.kernels import matmul
 from llmu.roofline.model import gemm_bytes, gemm_flops
 
 
@@ -54,7 +57,7 @@ GEMM = register(
         name="gemm",
         module="05_prefill_decode",
         description="prefill: x (M x K) @ W^T, W of N x K (2MNK FLOPs)",
-        providers=dict(_LINEAR),
+        providers={**_LINEAR, "llmu triton": Provider(lambda x, w: matmul(x, w.t()), "triton", "llmu Triton matmul")},
         setup=_setup,
         flops=gemm_entry_flops,
         bytes=gemm_entry_bytes,

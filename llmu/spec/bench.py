@@ -1,17 +1,25 @@
 """Benchmarks of module 11: does speculative decoding make SmolLM2 faster, and what does the step cost?
 
-``spec_decode`` (a whole-model ``run=`` entry): SmolLM2-135M, batch 1, greedy, one of the prompts
-of :mod:`llmu.spec.prompts` (size key ``prompt``). Plain decoding against speculative decoding with
-each draft: prompt lookup (``NGramDraft``, n = 3..1, ``gamma`` proposals a step) and the target's
-own first ``exit`` blocks (``EarlyExitDraft``, ``exit_gamma`` proposals a step), with the same
-``new`` tokens at most and the same end-of-turn token. Every generation goes through one loop,
-``llmu.spec.decode.speculative_generate``: plain decoding is that loop with ``gamma = 0``, so the
-two sides pay the same overheads and differ only in drafting and verifying. Runs are interleaved
-(plain, then each draft, ``repeats`` times: a busy moment on a shared machine hurts all alike)
-after one short warm-up generation each; times are medians. Greedy speculative decoding must emit
-*exactly* plain greedy decoding's tokens: every timed run is compared with the plain run before it
-and a difference raises :class:`OutputMismatch` (the speed-up of a decoder that changes the output
-means nothing).
+``spec_decode`` (a whole-model ``run=`` entry, :func:`compare_spec`): SmolLM2-135M, batch 1,
+greedy, one of the prompts of :mod:`llmu.spec.prompts` (size key ``prompt``). Plain decoding
+against speculative decoding with each draft: prompt lookup (``NGramDraft``, n = 3..1, ``gamma``
+proposals a step) and the target's own first ``exit`` blocks (``EarlyExitDraft``, ``exit_gamma``
+proposals a step), with the same ``new`` tokens at most and the same end-of-turn token. Every
+generation goes through one loop, ``llmu.spec.decode.speculative_generate``: plain decoding is
+that loop with ``gamma = 0``, so the two sides pay the same overheads and differ only in drafting
+and verifying. The providers run in turn (plain, then each draft, ``repeats`` rounds after a
+two-token warm-up each, :func:`llmu.bench.interleave`: a busy moment on a shared machine hurts all
+alike).
+
+Tokens/s counts decoding only, the prompt's prefill subtracted: a sample is one generation of one
+token (the prompt's pass and one pick: no proposal fits a budget of one) and one of ``new``,
+``decode tokens/s = (tokens - 1) / (t(new) - t(1))``, ``tokens`` the tokens the second one emitted.
+The rows carry the median and spread, the paired ratio ``provider_r / plain_r`` of every round
+(median, min..max, whether that includes 1; ``speedup`` is the median), and the load average.
+Greedy speculative decoding must emit *exactly* plain greedy decoding's tokens: every round's
+tokens are compared with the plain run's of that round, and a provider that differs is an error
+row (the speed-up of a decoder that changes the output means nothing; :func:`measure_spec`
+raises :class:`OutputMismatch`).
 
 What it shows: a step costs one target pass over ``gamma + 1`` tokens, on a GPU about the price
 of a pass over one (decoding reads every weight once per pass, module 05), plus the draft's work.
@@ -25,13 +33,13 @@ step) for each proposal, and SmolLM2's intermediate layers are poor predictors o
 few percent of the proposals are accepted, so it slows decoding down.
 
 Rows (``provider``): ``plain``, ``n-gram``, ``early exit <k>``; ``tokens_per_s`` and ``ms`` (per
-emitted token, the prompt's prefill included: the same for every provider), ``speedup`` (tokens/s
-over plain's, measured side by side), ``acceptance`` (accepted proposals over proposals made),
-``tokens_per_step``, ``gamma``, ``draft_share`` (the draft's seconds over the generation's),
-``tokens`` and ``steps``. The model runs in float32 on a GPU too: the comparison of tokens needs
-plain decoding (one token a pass) and verification (``gamma + 1`` a pass) to agree on every argmax,
-and the two passes' matmuls have different shapes, hence different roundings: in bfloat16 that
-can flip a near-tie (float32 makes that rare enough to check every token).
+decoded token, the prefill left out), ``speedup`` and ``ratio`` (over plain's, paired),
+``acceptance`` (accepted proposals over proposals made), ``tokens_per_step``, ``gamma``,
+``draft_share`` (the draft's seconds over the generation's), ``tokens`` and ``steps``. The model
+runs in float32 on a GPU too: the comparison of tokens needs plain decoding (one token a pass)
+and verification (``gamma + 1`` a pass) to agree on every argmax, and the two passes' matmuls
+have different shapes, hence different roundings: in bfloat16 that can flip a near-tie (float32
+makes that rare enough to check every token).
 
 ``spec_accept_reject`` (a kernel entry): one accept/reject step of speculative *sampling* for a
 batch of ``B`` sequences, ``gamma`` proposals each, a vocabulary of ``V`` (SmolLM2's 49,152 on a
@@ -61,18 +69,18 @@ and waits for the GPU, which is part of a call's cost but not of the step measur
 from __future__ import annotations
 
 import re
-import statistics
 from collections.abc import Mapping, Sequence
 
 import torch
 
+from llmu.bench.paired import Paired, interleave
 from llmu.bench.registry import Entry, Provider, register
 from llmu.spec import kernels, reference
 from llmu.spec.decode import SpecOutput, speculative_generate
 from llmu.spec.drafts import Draft, EarlyExitDraft, NGramDraft
 
 __all__ = ["SPEC_DECODE", "SPEC_ACCEPT_REJECT", "OutputMismatch", "check_identical", "make_draft",
-           "draft_key", "measure_spec", "accept_reject_setup", "accept_reject_triton", "accept_reject_torch",
+           "draft_key", "compare_spec", "measure_spec", "accept_reject_setup", "accept_reject_triton", "accept_reject_torch",
            "accept_reject_flops", "accept_reject_bytes"]
 
 MODULE = "11_speculative_decoding"
@@ -83,16 +91,22 @@ class OutputMismatch(RuntimeError):
     """Greedy speculative decoding emitted other tokens than plain greedy decoding."""
 
 
-def check_identical(expected: Sequence[int], got: Sequence[int], what: str) -> None:
-    """Raise :class:`OutputMismatch` unless ``got`` (speculative, greedy) equals ``expected`` (plain)."""
+def _difference(expected: Sequence[int], got: Sequence[int]) -> str | None:
+    """Where greedy speculative decoding's tokens ``got`` part from plain decoding's ``expected``."""
     expected, got = [int(t) for t in expected], [int(t) for t in got]
     if got == expected:
-        return
+        return None
     i = next((j for j, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
-    raise OutputMismatch(
-        f"{what}: greedy speculative decoding differs from plain greedy decoding at token {i} "
-        f"({len(got)} tokens against {len(expected)}; "
-        f"{got[i] if i < len(got) else 'end'} instead of {expected[i] if i < len(expected) else 'end'})")
+    return (f"greedy speculative decoding differs from plain greedy decoding at token {i} "
+            f"({len(got)} tokens against {len(expected)}; "
+            f"{got[i] if i < len(got) else 'end'} instead of {expected[i] if i < len(expected) else 'end'})")
+
+
+def check_identical(expected: Sequence[int], got: Sequence[int], what: str) -> None:
+    """Raise :class:`OutputMismatch` unless ``got`` (speculative, greedy) equals ``expected`` (plain)."""
+    why = _difference(expected, got)
+    if why:
+        raise OutputMismatch(f"{what}: {why}")
 
 
 def make_draft(model, key: str) -> Draft:
@@ -120,46 +134,71 @@ def draft_key(draft: Draft) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def measure_spec(model, prompt: Sequence[int], runs: Mapping[str, tuple[Draft, int]], max_new_tokens: int, *,
-                 eos_token_id: int | None = None, repeats: int = 3) -> dict[str, dict]:
+def compare_spec(model, prompt: Sequence[int], runs: Mapping[str, tuple[Draft, int]], max_new_tokens: int, *,
+                 eos_token_id: int | None = None, repeats: int = 3) -> Paired:
     """Greedy plain decoding and greedy speculative decoding with each ``runs[name] = (draft, gamma)``,
-    interleaved, ``repeats`` times, after a warm-up of two tokens each.
+    in turn, ``repeats`` rounds, after a warm-up of two tokens each (see the module's docstring).
 
-    Every speculative run's tokens are checked against the plain run's of the same round
-    (:func:`check_identical`). Returns name -> ``tokens``, ``steps``, ``seconds`` (median),
-    ``draft_s`` and ``target_s`` (medians), ``acceptance``, ``tokens_per_step``, ``gamma``; the
-    plain run under ``"plain"``.
+    Figures of each call: ``decode_tokens_per_s`` (the default one; the prefill subtracted),
+    ``seconds``, ``draft_s`` and ``target_s`` (of the generation of ``max_new_tokens``); output:
+    its tokens, compared with plain's of the same round; ``info``: ``tokens``, ``steps``,
+    ``gamma``, ``acceptance`` (``None`` without proposals) and ``tokens_per_step``. The plain run
+    is ``"plain"``, the base of the ratios.
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be a positive int, got {repeats!r}")
     if PLAIN in runs:
         raise ValueError(f"{PLAIN!r} is the name of the plain run; name the drafts otherwise")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 2:
+        raise ValueError(f"max_new_tokens must be an int >= 2 to time decoding, got {max_new_tokens!r}")
     everything = {PLAIN: (NGramDraft(), 0), **runs}  # gamma 0: the draft is never asked
 
     def generate(draft, gamma, n) -> SpecOutput:
         return speculative_generate(model, draft, prompt, n, gamma=gamma, eos_token_id=eos_token_id)
 
     for draft, gamma in everything.values():  # first calls allocate
-        generate(draft, gamma, min(2, max_new_tokens))
-    outs: dict[str, list[SpecOutput]] = {name: [] for name in everything}
-    for _ in range(repeats):
-        for name, (draft, gamma) in everything.items():
+        generate(draft, gamma, 2)
+
+    def call(name: str, draft: Draft, gamma: int):
+        def one_round() -> dict:
+            one = generate(draft, gamma, 1)  # the prompt's pass and one pick: what is subtracted
             out = generate(draft, gamma, max_new_tokens)
-            if name != PLAIN:
-                check_identical(outs[PLAIN][-1].tokens, out.tokens, f"{name} ({draft.name}, gamma {gamma})")
-            outs[name].append(out)
+            s = out.stats
+            if len(out.tokens) < 2:
+                raise ValueError(f"{name}: the generation ended after {len(out.tokens)} token: no decoding to time")
+            decode_s = max(s.total_s - one.stats.total_s, 1e-9)
+            return {"decode_tokens_per_s": (len(out.tokens) - 1) / decode_s, "seconds": s.total_s,
+                    "draft_s": s.draft_s, "target_s": s.target_s, "output": out.tokens,
+                    "info": dict(tokens=len(out.tokens), steps=s.steps, gamma=gamma, tokens_per_step=s.tokens_per_step,
+                                 acceptance=None if gamma == 0 or not sum(s.proposed) else s.acceptance_rate)}
+        return one_round
+
+    labels = {name: f"{name} ({draft.name}, gamma {gamma})" for name, (draft, gamma) in everything.items()}
+    paired = interleave({name: call(name, d, g) for name, (d, g) in everything.items()}, repeats, warmup=0,
+                        base=PLAIN, figure="decode_tokens_per_s", check=True, reference=PLAIN, compare=_difference)
+    for name in list(paired.mismatches):
+        paired.mismatches[name] = f"{labels[name]}: {paired.mismatches[name]}"
+    return paired
+
+
+def measure_spec(model, prompt: Sequence[int], runs: Mapping[str, tuple[Draft, int]], max_new_tokens: int, *,
+                 eos_token_id: int | None = None, repeats: int = 3) -> dict[str, dict]:
+    """:func:`compare_spec` as one dict per run: ``tokens``, ``steps``, ``gamma``, ``acceptance``,
+    ``tokens_per_step``; ``seconds``, ``draft_s``, ``target_s`` and ``decode_tokens_per_s``
+    (medians); ``speedup`` (the median paired ratio over plain's). Raises :class:`OutputMismatch`
+    when a speculative run emitted other tokens than plain decoding."""
+    paired = compare_spec(model, prompt, runs, max_new_tokens, eos_token_id=eos_token_id, repeats=repeats)
+    if paired.mismatches:
+        raise OutputMismatch("; ".join(paired.mismatches.values()))
     result = {}
-    for name, (_, gamma) in everything.items():
-        runs_ = outs[name]
-        s = runs_[-1].stats  # greedy: every round makes the same steps
-        result[name] = dict(
-            tokens=len(runs_[-1].tokens), steps=s.steps, gamma=gamma,
-            seconds=statistics.median(o.stats.total_s for o in runs_),
-            draft_s=statistics.median(o.stats.draft_s for o in runs_),
-            target_s=statistics.median(o.stats.target_s for o in runs_),
-            acceptance=None if gamma == 0 or not sum(s.proposed) else s.acceptance_rate,
-            tokens_per_step=s.tokens_per_step,
-        )
+    for name in paired.names:
+        ratio = paired.ratio(name)
+        result[name] = dict(**paired.info[name][-1],  # greedy: every round makes the same steps
+                            seconds=paired.stats(name, "seconds")["median"],
+                            draft_s=paired.stats(name, "draft_s")["median"],
+                            target_s=paired.stats(name, "target_s")["median"],
+                            decode_tokens_per_s=paired.stats(name)["median"],
+                            speedup=1.0 if ratio is None else ratio["median"])
     return result
 
 
@@ -172,19 +211,20 @@ def _run(size: dict, device) -> list[dict]:
     gamma, exit_layers = size.get("gamma", 6), size.get("exit", 4)
     runs = {"n-gram": (make_draft(model, "ngram"), gamma),
             f"early exit {exit_layers}": (make_draft(model, f"exit{exit_layers}"), size.get("exit_gamma", 2))}
-    measured = measure_spec(model, prompt_ids(tokenizer, size.get("prompt", "edit")), runs, size.get("new", 96),
-                            eos_token_id=end_token(tokenizer), repeats=size.get("repeats", 3))
-    base = measured[PLAIN]["tokens"] / measured[PLAIN]["seconds"]
+    paired = compare_spec(model, prompt_ids(tokenizer, size.get("prompt", "edit")), runs, size.get("new", 96),
+                          eos_token_id=end_token(tokenizer), repeats=size.get("repeats", 3))
     rows = []
-    for name, m in measured.items():
-        tps = m["tokens"] / m["seconds"]
+    for name in paired.names:
+        info = paired.info[name][-1]
+        fields = paired.row_fields(name, key="tokens_per_s")
         label = ("plain decoding (gamma = 0)" if name == PLAIN
-                 else f"{runs[name][0].name}, gamma = {m['gamma']}")
+                 else f"{runs[name][0].name}, gamma = {info['gamma']}")
         rows.append(dict(
-            provider=name, label=label, kind="torch", phase="decode", tokens_per_s=tps, ms=1e3 / tps,
-            speedup=tps / base, acceptance=m["acceptance"], tokens_per_step=m["tokens_per_step"],
-            gamma=m["gamma"], draft_share=m["draft_s"] / m["seconds"], tokens=m["tokens"], steps=m["steps"],
-            dtype=torch.float32,
+            provider=name, label=label, kind="torch", phase="decode", **fields,
+            speedup=1.0 if fields["ratio"] is None else fields["ratio"], acceptance=info["acceptance"],
+            tokens_per_step=info["tokens_per_step"], gamma=info["gamma"],
+            draft_share=paired.stats(name, "draft_s")["median"] / paired.stats(name, "seconds")["median"],
+            tokens=info["tokens"], steps=info["steps"], dtype=torch.float32,
         ))
     return rows
 
@@ -193,12 +233,13 @@ SPEC_DECODE = register(
     Entry(
         name="spec_decode",
         module=MODULE,
-        description="SmolLM2-135M greedy decode tokens/s on a prompt of llmu.spec.prompts: plain vs speculative "
-                    "with n-gram lookup and with an early exit draft, side by side (identical output enforced)",
+        description="SmolLM2-135M greedy decode tokens/s (prefill subtracted) on a prompt of llmu.spec.prompts: "
+                    "plain vs speculative with n-gram lookup and with an early exit draft, in turn (paired speedup, "
+                    "identical output enforced)",
         run=_run,
         gpu_sizes=[{"prompt": p, "new": 128, "gamma": 6, "exit": 8, "exit_gamma": 2, "repeats": 5}
                    for p in ("edit", "summarise", "story")],
-        cpu_sizes=[{"prompt": "edit", "new": 16, "gamma": 6, "exit": 4, "exit_gamma": 2, "repeats": 1}],
+        cpu_sizes=[{"prompt": "edit", "new": 96, "gamma": 6, "exit": 4, "exit_gamma": 2, "repeats": 3}],
         gpu_dtype=torch.float32,
         x_axis="prompt",
     )

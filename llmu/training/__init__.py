@@ -17,7 +17,8 @@
 - :mod:`llmu.training.runs`: the notebook's three runs end to end (pretraining a small byte-level
   model, SFT of SmolLM2 with LoRA, DPO), shared with ``benchmarks/training_runs.py``, which records
   their long versions in ``llmu/data/training_runs.json``;
-- :mod:`llmu.training.bench`: the ``fused_linear_cross_entropy`` benchmark entry.
+- :mod:`llmu.training.bench`: the ``fused_linear_cross_entropy_fwd`` (forward only) and
+  ``fused_linear_cross_entropy`` (forward and backward) benchmark entries.
 
 Course module 04, training and alignment. Import from the submodules
 (``from llmu.training.loop import Trainer``); this package imports nothing itself.

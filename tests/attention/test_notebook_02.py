@@ -125,3 +125,12 @@ def test_intro_presents_the_sampling_filters_as_a_widget():
     assert "widget" in item and "widget" in goal and not goal.startswith("- Implement softmax with temperature and")
     assert "sampling.process_logits" in cells["sampling_widget"]
     assert not any(re.search(r"top_k|top_p|min_p", cells[f"ex{n}_solution"]) for n in (1, 2, 3))
+
+
+def test_the_benchmark_times_your_kernel_beside_llmus(notebook, tmp_path):
+    """The benchmark cell passes exercise 3's kernel (through ``my_softmax_t``) as llmu's kernel of
+    ``softmax_temperature`` is called, ``fn(x)`` at the entry's temperature: with the solution in
+    place it gives llmu's output, here on rows of 3000 (the last of three 1024-wide blocks ragged)."""
+    assert notebook.check_bench_yours(tmp_path, {"softmax_temperature": "ex3"},
+                                      sizes={"softmax_temperature": {"M": 3, "N": 3000}}) == \
+        {"softmax_temperature": "ok"}

@@ -497,3 +497,98 @@ def test_bench_modules_env_loads_more_modules(tmp_path, monkeypatch):
         for name in ("planted_bench_ok", "planted_bench_broken", "planted_bench_missing"):
             registry_mod.LOAD_ERRORS.pop(name, None)
             sys.modules.pop(name, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# yours=: a learner's kernel beside llmu's
+# ---------------------------------------------------------------------------------------------
+
+def _kernel_entry(kernel=None):
+    return _entry(providers={"llmu triton": Provider(kernel or (lambda x: x * 2), "triton", "llmu kernel"),
+                             "ref": Provider(lambda x: x * 2, "torch", "llmu reference")})
+
+
+def test_yours_is_skipped_on_cpu_with_the_interpreter_reason_and_never_called():
+    mine = _Counter()
+    res = bench.run(entries=[_kernel_entry()], device="cpu", timer=_fake_timer(1.0), yours={"scale_test": mine})
+    rows = [r for r in res["rows"] if r["provider"] == bench.YOURS]
+    assert len(rows) == 2 and mine.calls == 0
+    assert all(r["status"] == "skipped" and r["label"] == "your kernel" and r["kind"] == "triton" for r in rows)
+    note = bench.untimed_note(res)
+    assert note.startswith("not timed here (llmu kernel, your kernel): ") and "interpreter" in note
+    assert bench.YOURS not in _kernel_entry().providers  # the entry itself is left as it was
+
+
+def test_yours_is_timed_where_kernels_compile_once_its_output_matches(monkeypatch):
+    from llmu.bench import runner
+
+    monkeypatch.setattr(runner, "_kernels_timed_here", lambda device: True)  # as on a GPU
+    mine = _Counter()
+    res = bench.run(entries=[_kernel_entry()], device="cpu", timer=_fake_timer(2.0), yours={"scale_test": mine})
+    rows = [r for r in res["rows"] if r["provider"] == bench.YOURS]
+    assert [r["status"] for r in rows] == ["ok", "ok"] and rows[0]["ms"] == 2.0
+    assert mine.calls == 2 * 2  # per size: once checked against llmu's kernel, once timed
+    assert bench.untimed_note(res) == ""
+
+
+@pytest.mark.parametrize(("mine", "says"), [
+    (lambda x: x * 2 + 1, "4096 of 4096 values differ (largest difference 1)"),
+    (lambda x: (x * 2)[:-1], "shape (4095,), llmu's kernel gives (4096,)"),
+    (lambda x: None, "returned None"),
+    (lambda x: (x * 2, x), "returned tuple of 2, llmu's kernel one Tensor"),
+])
+def test_a_wrong_kernel_of_yours_is_an_error_not_a_time(monkeypatch, mine, says):
+    from llmu.bench import runner
+
+    monkeypatch.setattr(runner, "_kernels_timed_here", lambda device: True)
+    calls = []
+    timer = _fake_timer(1.0)
+    res = bench.run(entries=[_kernel_entry()], device="cpu", sizes=[{"N": 4096}],
+                    timer=lambda fn: calls.append(fn) or timer(fn), yours={"scale_test": mine})
+    (row,) = [r for r in res["rows"] if r["provider"] == bench.YOURS]
+    assert row["status"] == "error" and row["ms"] is None
+    assert row["reason"].startswith("wrong output, so not timed: against llmu kernel, "), row["reason"]
+    assert says in row["reason"], row["reason"]
+    assert len(calls) == 2  # llmu's kernel and the reference were timed, yours was not
+    assert "failed (your kernel): wrong output" in bench.untimed_note(res)
+
+
+def test_yours_within_the_tolerance_of_its_dtype_is_timed(monkeypatch):
+    from llmu.bench import runner
+
+    monkeypatch.setattr(runner, "_kernels_timed_here", lambda device: True)
+    rtol, _ = bench.YOURS_TOLERANCE[torch.float32]
+    res = bench.run(entries=[_kernel_entry()], device="cpu", sizes=[{"N": 4096}], timer=_fake_timer(1.0),
+                    yours={"scale_test": lambda x: x * 2 * (1 + rtol / 2)})
+    assert [r["status"] for r in res["rows"] if r["provider"] == bench.YOURS] == ["ok"]
+
+
+def test_a_stub_of_yours_fails_its_row_only(monkeypatch):
+    from llmu.bench import runner
+
+    monkeypatch.setattr(runner, "_kernels_timed_here", lambda device: True)
+
+    def stub(x):
+        raise NotImplementedError()
+
+    res = bench.run(entries=[_kernel_entry()], device="cpu", sizes=[{"N": 64}], timer=_fake_timer(1.0),
+                    yours={"scale_test": stub})
+    statuses = {r["provider"]: r["status"] for r in res["rows"]}
+    assert statuses == {"llmu triton": "ok", "ref": "ok", bench.YOURS: "error"}
+
+
+def test_bad_yours_arguments_are_named():
+    entry = _kernel_entry()
+    with pytest.raises(TypeError, match="yours must be a dict"):
+        bench.run(entries=[entry], device="cpu", yours=[lambda x: x])
+    with pytest.raises(ValueError, match=r"yours names 'other', which this run does not include; it runs scale_test"):
+        bench.run(entries=[entry], device="cpu", yours={"other": lambda x: x})
+    with pytest.raises(TypeError, match=r"yours\['scale_test'\] must be a function"):
+        bench.run(entries=[entry], device="cpu", yours={"scale_test": 3})
+    with pytest.raises(ValueError, match="has no Triton kernel of llmu's"):
+        bench.run(entries=[_entry()], device="cpu", yours={"scale_test": lambda x: x})
+    whole = Entry(name="whole", module="99_test", description="tokens/s", run=lambda size, device: [])
+    with pytest.raises(ValueError, match="measures a whole model"):
+        bench.run(entries=[whole], device="cpu", yours={"whole": lambda x: x})
+    with pytest.raises(TypeError, match="results must be what llmu.bench.run returned"):
+        bench.untimed_note([])

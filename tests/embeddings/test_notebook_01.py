@@ -113,3 +113,12 @@ def test_tf32_digits():
     assert (tf32, fp32) == (3, 7)
     assert (f"whose 10-bit mantissa keeps about {tf32} significant decimal digits instead of float32's {fp32}"
             in _prose("library_md"))
+
+
+def test_the_benchmark_times_your_kernel_beside_llmus(notebook, tmp_path):
+    """The benchmark cell passes exercise 3's kernel (through ``my_cosine``) as llmu's kernel of
+    ``cosine_similarity`` is called, ``fn(queries, table)``: with the solution in place it gives
+    llmu's output, here on tiles ragged in Q, V and D."""
+    assert notebook.check_bench_yours(tmp_path, {"cosine_similarity": "ex3"},
+                                      sizes={"cosine_similarity": {"Q": 5, "V": 70, "D": 100}}) == \
+        {"cosine_similarity": "ok"}

@@ -96,3 +96,13 @@ def test_kernel_tests_choose_their_own_device_and_tolerance(notebook):
         _, _, body = notebook.cells[name].partition(course.END_HIDDEN)
         assert "dev = llmu.runtime.kernel_device()" in body and "tol = 1e-5 if llmu.runtime.interpreting() else 1e-2" in body
     assert not any("TOL3" in source for source in notebook.cells.values())
+
+
+def test_the_benchmark_times_your_kernel_beside_llmus(notebook, tmp_path):
+    """The benchmark cell passes exercise 3's kernel (through my_flash_triton, one head at a time)
+    as llmu's kernel of the entry is called: with the solution in place, it gives llmu's output on
+    the entry's inputs, here two batches of two heads, causal, with T = 40 (a ragged last tile of
+    queries and of keys)."""
+    size = {"B": 2, "H": 2, "Hkv": 2, "T": 40, "D": 16, "causal": True}
+    assert notebook.check_bench_yours(tmp_path, {"flash_attention_fwd": "ex3"},
+                                      sizes={"flash_attention_fwd": size}) == {"flash_attention_fwd": "ok"}

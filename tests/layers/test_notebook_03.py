@@ -127,3 +127,11 @@ def test_calling_the_layer_or_model_handed_in_scores_nothing(exercise, notebook,
     for test in notebook.exercises[exercise].tests:
         with pytest.raises(AssertionError, match="while it ran, your code called llmu.models.llama"):
             course.exec_cell(notebook.cells[test], ns, tmp_path, test)
+
+
+def test_the_benchmark_times_your_kernel_beside_llmus(notebook, tmp_path):
+    """The benchmark cell passes exercise 4's kernel (through ``my_rms_norm``) as llmu's kernel of
+    ``rms_norm`` is called, ``fn(x, w)`` with llmu's eps: with the solution in place it gives llmu's
+    output, here on rows of SmolLM2's 576 (a ragged 1024-wide block). Needs no model."""
+    assert notebook.check_bench_yours(tmp_path, {"rms_norm": "ex4"},
+                                      sizes={"rms_norm": {"M": 4, "N": 576}}) == {"rms_norm": "ok"}

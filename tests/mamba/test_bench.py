@@ -134,6 +134,17 @@ def test_add_costs_uses_float32_peak_for_the_scan():
     assert "flops" not in other
 
 
+def test_add_costs_counts_your_kernel_as_a_scan():
+    """The learner's kernel (``yours=`` of ``llmu.bench.run``, the notebook's benchmark cell) is a scan."""
+    size = dict(ENTRY.gpu_sizes[0])
+    assert bench.costs(runner.YOURS, size, 2) == bench.costs("llmu triton", size, 2)
+    rows = [{"entry": ENTRY.name, "provider": runner.YOURS, "status": "ok", "ms": 2.0, "size": size,
+             "dtype": "bfloat16"}]
+    bench.add_costs({"rows": rows, "environment": {"gpu_name": "NVIDIA H200"}})
+    assert rows[0]["flops"] == bench.scan_flops(size)
+    assert rows[0]["frac_flops"] == pytest.approx(rows[0]["tflops"] / 67.0)     # H200 float32, as the scan
+
+
 def test_figure_has_sequence_length_on_the_x_axis():
     pytest.importorskip("plotly")
     from llmu.bench import figure

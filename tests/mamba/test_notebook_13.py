@@ -126,3 +126,13 @@ def test_batch_and_channels_have_their_own_letters():
             continue
         for formula in re.findall(r"\$[^$]+\$", text):
             assert not re.search(r"\((B|D)\s*,|,\s*(B|D)\s*[,)]|\bD = \d", formula), formula
+
+
+def test_the_benchmark_times_your_kernel_beside_llmus(notebook, tmp_path):
+    """The benchmark cell passes exercise 4's kernel, through its launcher and the torch steps it
+    leaves out (Δ's bias and softplus, the skip D·u, the gate silu(z)), as llmu's kernel of the entry
+    is called: with the solution in place it gives llmu's full scan on the entry's inputs (two
+    sequences, L = 19 with the launcher's chunk of 8, N = 5 padded to 8)."""
+    size = {"B": 2, "D": 4, "N": 5, "L": 19, "Dh": 2}
+    assert notebook.check_bench_yours(tmp_path, {"mamba_selective_scan": "ex4"},
+                                      sizes={"mamba_selective_scan": size}) == {"mamba_selective_scan": "ok"}

@@ -1,4 +1,8 @@
-"""The decode benchmark entry: registered, and its measurement runs."""
+"""The decode benchmark entry: registered, llmu and transformers in turn with a paired ratio, the same ids.
+
+The fast tests run the entry on a tiny model (``load_model`` replaced); timings are not asserted
+(other processes share the machine): the order of the calls, the rows' fields and the comparison
+of the ids are."""
 
 from __future__ import annotations
 
@@ -7,13 +11,15 @@ import torch
 
 import llmu  # noqa: F401
 from llmu.bench.registry import load_all
-from llmu.models import LlamaConfig, LlamaModel
+from llmu.models import LlamaConfig, LlamaModel, loading, tiny_llama
 from llmu.models import bench as models_bench
+from llmu.models.generate import generate_ids
 
 
 def test_entry_is_registered():
     entry = load_all()["decode_tokens_per_s"]
-    assert entry.run is not None and entry.cpu_sizes == [{"prompt": 128, "new": 128}]
+    assert entry.run is not None and entry.cpu_sizes == [{"prompt": 128, "new": 64, "repeats": 5}]
+    assert all(s["new"] >= 64 and s["repeats"] >= 3 for s in entry.cpu_sizes + entry.gpu_sizes)
 
 
 def test_to_transformers_computes_the_same_function():
@@ -39,3 +45,65 @@ def test_measure_small(smollm2):
     assert r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
     with pytest.raises(ValueError, match="new_tokens must be >= 2"):
         models_bench.measure(model, new_tokens=1, providers=("llmu",))
+
+
+def _tiny():
+    # eos 13: a token the greedy generation below produces early on, which must not stop it
+    return tiny_llama(0, vocab_size=300, eos_token_id=13)
+
+
+def test_transformers_makes_exactly_n_tokens_and_llmu_s_ids():
+    pytest.importorskip("transformers")
+    model = _tiny()
+    prompt = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(0))
+    want = list(generate_ids(model, prompt[0].tolist(), 20))
+    assert 13 in want[:-1], "the end token comes up in the greedy generation"
+    got = models_bench.run_transformers(models_bench.benchmark_copy(model), prompt, 20)
+    assert got["ids"] == want and got["prefill_s"] > 0 and got["decode_s"] > 0
+    assert models_bench.run_llmu(model, prompt, 20)["ids"] == want
+    with pytest.raises(ValueError, match="eos_token_id"):  # a copy that would stop at the end token
+        models_bench.run_transformers(models_bench.to_transformers(model), prompt, 20)
+
+
+def test_llmu_and_transformers_are_called_in_turn():
+    pytest.importorskip("transformers")
+    p = models_bench.compare_decode(_tiny(), prompt_len=5, new_tokens=4, repeats=3)
+    assert p.order == ["llmu", "transformers"] * 3 and p.base == "transformers" and p.mismatches == {}
+    assert set(p.samples["llmu"]) == {"decode_tokens_per_s", "prefill_tokens_per_s"}
+    assert p.outputs["llmu"] == p.outputs["transformers"]
+    with pytest.raises(ValueError, match="providers"):
+        models_bench.compare_decode(_tiny(), 5, 4, providers=("vllm",))
+
+
+def test_entry_rows_on_a_tiny_model(monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(loading, "load_model", lambda dtype, device: _tiny().to(dtype))
+    rows = models_bench._run({"prompt": 5, "new": 4, "repeats": 2}, "cpu")
+    assert [r["label"] for r in rows] == ["llmu prefill", "llmu decode", "transformers prefill",
+                                          "transformers decode"]
+    for r in rows:
+        assert r.get("status", "ok") == "ok" and r["rounds"] == 2 and r["n_samples"] == 2
+        assert r["ms"] == pytest.approx(1e3 / r["tokens_per_s"]) and r["ratio_to"] == "transformers"
+        assert "load_avg_start" in r and "load_avg_end" in r
+    llmu_decode, hf_decode = rows[1], rows[3]
+    assert llmu_decode["ratio_min"] <= llmu_decode["ratio"] <= llmu_decode["ratio_max"]
+    assert llmu_decode["speedup"] == llmu_decode["ratio"] and isinstance(llmu_decode["ratio_overlaps_1"], bool)
+    assert hf_decode["ratio"] is None and hf_decode["speedup"] == 1.0
+
+
+def test_entry_fails_when_the_ids_differ(monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(loading, "load_model", lambda dtype, device: _tiny().to(dtype))
+    real = models_bench.run_transformers
+
+    def other_ids(hf, prompt, n):
+        r = real(hf, prompt, n)
+        return dict(r, ids=r["ids"][:-1] + [(r["ids"][-1] + 1) % 300])  # the last token changed
+
+    monkeypatch.setattr(models_bench, "run_transformers", other_ids)
+    rows = models_bench._run({"prompt": 5, "new": 4, "repeats": 2}, "cpu")
+    by = {r["label"]: r for r in rows}
+    for label in ("llmu prefill", "llmu decode"):
+        assert by[label]["status"] == "error"
+        assert "output differs from transformers's in round 1: token 3" in by[label]["reason"]
+    assert "status" not in by["transformers decode"]

@@ -146,3 +146,68 @@ def test_figure_has_tokens_on_the_x_axis():
     for trace in fig.data:
         assert list(trace.x) == [s["T"] for s in entry.cpu_sizes]
     assert fig.layout.xaxis.title.text == "T"
+
+
+# -- moe_gather_rows: the permute step's copy (the notebook's exercise 4) ----------------------------
+
+GATHER_SMALL = {"T": 37, "k": 2, "E": 6, "H": 200}   # 74 rows and 200 columns: ragged tiles both ways
+
+
+def test_gather_entry_is_registered_with_mixtrals_shape():
+    load_all()
+    entry = bench.MOE_GATHER_ROWS
+    assert REGISTRY["moe_gather_rows"] is entry and entry.module == "12_mixture_of_experts"
+    assert {n: p.kind for n, p in entry.providers.items()} == {"llmu triton": "triton", "torch index_select": "builtin"}
+    assert entry.providers["llmu triton"].fn is kernels.gather_rows
+    assert entry.x_axis == "T" and entry.flops is None and entry.gpu_dtype == torch.bfloat16
+    assert {(s["k"], s["E"], s["H"]) for s in entry.gpu_sizes} == {(2, 8, 4096)}
+    assert [s["T"] for s in entry.gpu_sizes] == [s["T"] for s in bench.MOE_GROUPED_GEMM.gpu_sizes]
+    assert len({(s["k"], s["E"], s["H"]) for s in entry.cpu_sizes}) == 1
+    assert [s["T"] for s in entry.cpu_sizes] == sorted({s["T"] for s in entry.cpu_sizes})
+
+
+def test_gather_bytes_by_hand():
+    # M = 20 rows of 6: read and written (2*20*6 = 240 elements), 20 int64 indices
+    assert bench.gather_bytes({"T": 10, "k": 2, "E": 4, "H": 6}, 2) == 2 * 240 + 8 * 20 == 640
+    assert bench.gather_bytes({"T": 10, "k": 2, "E": 4, "H": 6}, 4) == 4 * 240 + 8 * 20
+
+
+@pytest.mark.parametrize("bad, error", [
+    ({"T": 8, "k": 2, "E": 4}, ValueError),                        # no H
+    ({"T": 8, "k": 5, "E": 4, "H": 8}, ValueError),               # k > E
+    ({"T": 8, "k": 2, "E": 4, "H": 0}, ValueError),
+    ({"T": 8, "k": 2, "E": 4.0, "H": 8}, TypeError),
+])
+def test_bad_gather_sizes_are_refused(bad, error):
+    for fn in (lambda s: bench.gather_bytes(s, 2), lambda s: bench.gather_setup(s, "cpu", torch.float32)):
+        with pytest.raises(error, match="size"):
+            fn(bad)
+
+
+def test_gather_inputs_are_the_layers_tokens_in_expert_order():
+    x, src = bench.gather_setup(GATHER_SMALL, "cpu", torch.float32)
+    layer = bench.make_layer({**GATHER_SMALL, "F": 8})
+    order, _, _ = kernels.sort_by_expert(layer["experts"], GATHER_SMALL["E"])
+    assert torch.equal(x, layer["x"]) and torch.equal(src, order // GATHER_SMALL["k"])
+    assert src.dtype == torch.int64 and src.shape == (GATHER_SMALL["T"] * GATHER_SMALL["k"],)
+
+
+def test_gather_providers_agree_on_a_ragged_size(kdev):
+    x, src = bench.gather_setup(GATHER_SMALL, "cpu", torch.float32)
+    want = x[src]
+    assert torch.equal(bench.gather_torch(x, src), want)
+    assert torch.equal(bench.MOE_GATHER_ROWS.providers["llmu triton"].fn(x.to(kdev), src.to(kdev)).cpu(), want)
+
+
+def test_gather_cpu_sizes_run_and_give_gbs_only():
+    entry = bench.MOE_GATHER_ROWS
+    rows = runner.run([entry.name], device="cpu", sizes="cpu", entries=[entry],
+                      timer=lambda fn: (fn(), {"ms": 1.0})[1])["rows"]
+    assert len(rows) == len(entry.cpu_sizes) * len(entry.providers)
+    for row in rows:
+        if row["kind"] == "triton":
+            assert row["status"] == "skipped" and row["reason"]
+        else:
+            assert row["status"] == "ok", row["reason"]
+            assert row["gbs"] == pytest.approx(bench.gather_bytes(row["size"], 4) / 1e-3 / 1e9)
+            assert row["flops"] is None and row["tflops"] is None

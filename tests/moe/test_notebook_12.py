@@ -99,3 +99,12 @@ def test_drops_of_an_unskewed_router_stated():
                for cf in (1.0, 1.25)}
     assert dropped[1.25] == 0
     assert f"a factor of 1 drops {dropped[1.0]} of the {copies:,} copies, 1.25 none" in _prose("capacity_read")
+
+
+def test_the_benchmark_times_your_kernel_beside_llmus(notebook, tmp_path):
+    """The benchmark cell passes exercise 4's kernel, through its launcher ``my_gather_rows``, as
+    llmu's ``gather_rows`` is called: with the solution in place, it gives llmu's rows on the entry's
+    inputs (74 rows and 200 columns: ragged tiles both ways)."""
+    assert notebook.check_bench_yours(tmp_path, {"moe_gather_rows": "ex4"},
+                                      sizes={"moe_gather_rows": {"T": 37, "k": 2, "E": 6, "H": 200}}) == \
+        {"moe_gather_rows": "ok"}

@@ -229,7 +229,11 @@ def test_random_operations_keep_the_books_straight(ops):
             if op == "alloc" and sid not in lengths:
                 toks = [sid % 2] * n  # two kinds of prompts, so prefixes repeat
                 bm.allocate(sid, toks)
-                bm.prepare_write(sid, 0, n)
+                try:
+                    bm.prepare_write(sid, 0, n)
+                except NoFreeBlocks:  # allocated, but no block to write the prompt: give them back
+                    bm.free(sid)
+                    raise
                 bm.commit(sid, toks, n)
                 lengths[sid], tokens[sid] = n, toks
             elif op == "grow" and sid in lengths:

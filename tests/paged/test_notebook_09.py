@@ -122,3 +122,31 @@ def test_paged_run_length_stated():
 def test_internal_fragmentation_example_stated():
     assert f"stops at 400 positions (prompt and answer) in a slab of 2048 leaves {2048 - 400} positions empty" \
         in _prose("idea_md")
+
+
+# -- the benchmark cell ---------------------------------------------------------------------------
+
+def test_the_benchmark_times_your_kernel_beside_llmus(notebook, tmp_path):
+    """The benchmark cell hands exercise 3's kernel (through my_paged_decode) the paged decode
+    entry's inputs as llmu's kernel takes them: with the solution in place, it gives llmu's output.
+    37 positions: the last block of 16 is partly used."""
+    size = {"B": 2, "H": 4, "Hkv": 2, "T": 37, "D": 16, "block_size": 16}
+    assert notebook.check_bench_yours(tmp_path, {"paged_decode_attention": "ex3"},
+                                      sizes={"paged_decode_attention": size}) == {"paged_decode_attention": "ok"}
+
+
+def test_the_benchmark_launcher_takes_a_16_bit_cache(notebook, tmp_path):
+    """On a GPU the benchmark's cache is 16-bit (bf16, fp16 on a T4): my_paged_decode takes it and
+    the solution matches llmu's kernel there too. Checked in float16 (Triton's interpreter computes
+    bfloat16 wrongly), within what one rounding of a 16-bit output allows."""
+    import torch
+
+    from llmu.paged import kernels
+
+    ns = notebook.namespace("ex3", tmp_path)
+    q, k_cache, v_cache, tables, lens = ns["paged_inputs"](4, 2, 16, 16, [5, 37], seed=3)
+    q, k_cache, v_cache = (x.half() for x in (q, k_cache, v_cache))
+    out = ns["my_paged_decode"](q, k_cache, v_cache, tables, lens)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out, kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens),
+                               atol=2e-3, rtol=2e-3)

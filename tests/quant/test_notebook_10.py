@@ -69,3 +69,11 @@ WRONG = {
 (notebook, test_solutions_pass_all_tests, test_wrong_answers_fail,
  test_library_answers_fail) = course.exercise_tests(
     NOTEBOOK, EXERCISES, WRONG)
+
+
+def test_the_benchmark_times_your_kernel_beside_llmus(notebook, tmp_path):
+    """The benchmark cell hands exercise 4's GEMV (through my_int4_gemv, once per token) the int4_gemv
+    entry's inputs as llmu's kernel takes them: with the solution in place, it gives llmu's output.
+    Two tokens; N = 37 leaves the last block of 16 rows ragged, K / 2 = 80 bytes the last step of 32."""
+    assert notebook.check_bench_yours(tmp_path, {"int4_gemv": "ex4"},
+                                      sizes={"int4_gemv": {"M": 2, "N": 37, "K": 160, "G": 32}}) == {"int4_gemv": "ok"}

@@ -1,7 +1,11 @@
 """Notebook 05's graded exercises, run in-process (no kernel, no model): the instructor's solutions
 pass every test cell, hidden parts included, and typical wrong answers fail them.
 
-The whole notebook (model cells, widgets, benchmark) is executed by the course-wide notebook tests.
+Exercises 1 to 4 are plain Python. Exercise 5 is a Triton kernel (and the tiles chosen for a GPU):
+its launcher cell (``ex5_launcher``) runs after it, and the cells run with the kernel device as
+torch's default device (Triton's interpreter on a CPU, where the speed part of ``test_ex5_speed``
+only prints why it is not judged). The whole notebook (model cells, widgets, benchmark) is
+executed by the course-wide notebook tests.
 """
 
 from __future__ import annotations
@@ -14,7 +18,11 @@ from llmu import course
 NOTEBOOK = Path(__file__).resolve().parents[2] / "solutions" / "05_prefill_decode" / "05_prefill_decode.ipynb"
 
 
-EXERCISES = {f"ex{n}": course.Exercise.numbered(n) for n in (1, 2, 3, 4)}
+EXERCISES = {
+    **{f"ex{n}": course.Exercise.numbered(n) for n in (1, 2, 3, 4)},
+    "ex5": course.Exercise("ex5_solution", ("test_ex5_visible", "test_ex5_hidden", "test_ex5_speed"),
+                           after=("ex5_launcher",)),
+}
 
 
 WRONG = {
@@ -30,6 +38,32 @@ WRONG = {
     "ex4: TPOT over n gaps": ("ex4", "/ (n - 1) if n > 1", "/ n if n > 1", "test_ex4_visible"),
     "ex4: TPOT as the last gap": ("ex4", "(timestamps[-1] - timestamps[0]) / (n - 1)",
                                   "(timestamps[-1] - timestamps[-2])", "test_ex4_hidden"),
+    "ex5: rows and columns strides of A swapped": (
+        "ex5", "offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak",
+        "offs_m[:, None] * stride_ak + offs_k[None, :] * stride_am", "test_ex5_visible"),
+    "ex5: no mask on K": ("ex5", "k_ok = offs_k < K - k0", "k_ok = offs_k < BLOCK_K", "test_ex5_hidden"),
+    "ex5: B read as if contiguous": ("ex5", "offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn",
+                                     "offs_k[:, None] * N + offs_n[None, :]", "test_ex5_hidden"),
+    "ex5: C written as if contiguous": ("ex5", "offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn",
+                                        "offs_m[:, None] * N + offs_n[None, :]", "test_ex5_hidden"),
+    "ex5: float16 accumulator": ("ex5", "acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
+                                 "acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty)", "test_ex5_hidden"),
+    "ex5: a short last group taken as GROUP_M rows": (
+        "ex5", "group_size_m = min(num_pid_m - first_pid_m, GROUP_M)", "group_size_m = GROUP_M", "test_ex5_hidden"),
+    "ex5: % and // swapped in the grouped order": (
+        "ex5", "pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m\n"
+               "    pid_n = (pid % num_pid_in_group) // group_size_m",
+        "pid_m = first_pid_m + (pid % num_pid_in_group) // group_size_m\n"
+        "    pid_n = (pid % num_pid_in_group) % group_size_m", "test_ex5_visible"),
+    "ex5: GPU_TILES over an H100's shared memory": ("ex5", "num_warps=8, num_stages=3)", "num_warps=8, num_stages=6)",
+                                                    "test_ex5_speed"),
+    "ex5: GPU_TILES block not a power of two": ("ex5", "GPU_TILES = dict(BLOCK_M=128, BLOCK_N=256",
+                                                "GPU_TILES = dict(BLOCK_M=128, BLOCK_N=192", "test_ex5_speed"),
+    "ex5: GPU_TILES num_warps of 3": ("ex5", "num_warps=8, num_stages=3)", "num_warps=3, num_stages=3)",
+                                      "test_ex5_speed"),
+    "ex5: kernel right only at the small tiles (BLOCK_K hard-coded)": (
+        "ex5", "a_ptrs += BLOCK_K * stride_ak\n        b_ptrs += BLOCK_K * stride_bk",
+        "a_ptrs += 16 * stride_ak\n        b_ptrs += 16 * stride_bk", "test_ex5_speed"),
 }
 
 
@@ -37,7 +71,14 @@ WRONG = {
 # caught by the test cell named for it (cell metadata is checked in tests/course/test_notebooks.py).
 (notebook, test_solutions_pass_all_tests, test_wrong_answers_fail,
  test_library_answers_fail) = course.exercise_tests(
-    NOTEBOOK, EXERCISES, WRONG)
+    NOTEBOOK, EXERCISES, WRONG, on_kernel_device=True)
+
+
+def test_the_benchmark_times_your_matmul_beside_llmus(notebook, tmp_path):
+    """The benchmark cell passes exercise 5's kernel (through its launcher, as x @ W^T) the way the
+    gemm entry calls llmu's Triton matmul: with the solution in place, it gives llmu's output."""
+    assert notebook.check_bench_yours(tmp_path, {"gemm": "ex5"}, sizes={"gemm": {"M": 40, "N": 72, "K": 100}}) == \
+        {"gemm": "ok"}
 
 
 # The figures the notebook's prose states, recomputed from llmu's code and SmolLM2's config (no model).
@@ -84,3 +125,107 @@ def test_softmax_intensity():
         assert entry.flops(size) / entry.bytes(size, 2) == 1.25
     text = _prose("self_check")
     assert "1.25 FLOP/byte at any size" in text and "about 1.5 FLOP/byte" not in text
+
+
+def _flat(grade_id: str) -> str:
+    """A cell's text with its line breaks and runs of spaces as single spaces."""
+    return " ".join(_prose(grade_id).split())
+
+
+def test_tile_figures():
+    """Section 7: a tile's intensity, the loads of a 4096^3 GEMM, shared memory, registers and the
+    grid, recomputed from llmu's formulas, the datasheet table and ``llmu gpu-compile``'s targets."""
+    from llmu.bench.peaks import peak_for
+    from llmu.gpu_compile.capture import TARGETS
+    from llmu.roofline.kernels import H100_SHARED_MEMORY, Tiles, shared_memory_bytes
+    from llmu.roofline.model import gemm_flops
+
+    text = _flat("matmul_md")
+    h200 = peak_for("NVIDIA H200")
+    peak, bandwidth = h200.tflops["bfloat16"] * 1e12, h200.bandwidth_gbs * 1e9
+    n, e = 4096, 2
+
+    def tile_intensity(bm, bn):
+        return 2 * bm * bn / (e * (bm + bn))
+
+    def loads(bm, bn):                  # every program reads its row panel of A and column panel of B
+        return e * n ** 3 * (1 / bn + 1 / bm)
+
+    assert f"{tile_intensity(16, 16):.0f} FLOP/byte and a $128 \\times 256$ tile {tile_intensity(128, 256):.1f}" \
+        in text
+    assert (tile_intensity(16, 16), round(tile_intensity(128, 256), 1)) == (8, 85.3)
+    assert f"load {loads(16, 16) / 1e9:.1f} GB with $16 \\times 16$ tiles and {loads(128, 256) / 1e9:.1f} GB" in text
+    assert f"{loads(16, 16) / bandwidth * 1e3:.1f} ms against {loads(128, 256) / bandwidth * 1e3:.2f} ms at an H200's " \
+           f"{bandwidth / 1e12:.1f} TB/s" in text
+    assert f"{gemm_flops(n, n, n) / peak * 1e3:.3f} ms at {peak / 1e12:.1f} TFLOP/s" in text
+    assert f"left of the H200's ridge ({peak / bandwidth:.0f})" in text
+    big = Tiles(128, 256, 64, GROUP_M=8, num_warps=8, num_stages=3)
+    per_stage = shared_memory_bytes(Tiles(128, 256, 64, num_stages=1), e)
+    assert f"{per_stage // 1024} KB per stage, {shared_memory_bytes(big, e) // 1024} KB with 3 stages, of the " \
+           f"{H100_SHARED_MEMORY // 1024} KB" in text
+    assert TARGETS["sm_90"][1] == H100_SHARED_MEMORY
+    assert f"({TARGETS['sm_80'][1] // 1024} KB on an A100, {TARGETS['sm_75'][1] // 1024} KB on a T4)" in text
+    acc = 128 * 256 * 4
+    assert f"{acc // 1024} KB of registers, {128 * 256 // (8 * 32)} per thread with 8 warps" in text
+    assert f"With 4 warps it would need {128 * 256 // (4 * 32)} per thread, more than the 255" in text
+    assert 2 * shared_memory_bytes(big, e) > 228 * 1024 and "only one fits in an H100 SM's 228 KB" in text
+    programs, sms = (n // 128) * (n // 256), TARGETS["sm_90"][2]
+    assert f"has {programs} programs, {programs / sms:.1f} for each of an H100's {sms} SMs" in text
+
+
+def test_exercise_5_rules_match_the_checks(notebook):
+    """What exercise 5's text promises is what ``test_ex5_speed`` checks, and the solution's
+    GPU_TILES keep to it."""
+    from llmu.gpu_compile.capture import TARGETS
+    from llmu.roofline.kernels import H100_SHARED_MEMORY, MAX_STAGES, NUM_WARPS, shared_memory_bytes
+
+    text = _flat("ex5_md")
+    speed = notebook.cells["test_ex5_speed"]
+    assert NUM_WARPS == (1, 2, 4, 8, 16) and "`num_warps` is 1, 2, 4, 8 or 16" in text
+    assert MAX_STAGES == 6 and "`num_stages` 1 to 6" in text
+    assert f"stays within {H100_SHARED_MEMORY // 1024} KB" in text
+    assert f"a T4 has {TARGETS['sm_75'][1] // 1024} KB" in text
+    assert "**at least half of llmu's**" in text and "yours_tflops >= 0.5 * llmu_tflops" in speed
+    assert "$M = N = K = 4096$ in bf16" in text and "size = 4096" in speed and "2 * size ** 3" in speed
+    import ast
+    import re
+
+    line = re.search(r"^GPU_TILES = dict\((.*)\)$", notebook.cells["ex5_solution"], re.M).group(1)
+    tiles = {kw.arg: ast.literal_eval(kw.value) for kw in ast.parse(f"dict({line})").body[0].value.keywords}
+    assert shared_memory_bytes(tiles, 2) == 144 * 1024 <= H100_SHARED_MEMORY
+
+
+def test_self_check_tile_question():
+    """Self-check 7: a 64 x 64 tile, BLOCK_K 64, bf16, 4 stages."""
+    from llmu.roofline.kernels import Tiles, shared_memory_bytes
+
+    text = _flat("self_check")
+    t = Tiles(64, 64, 64, num_stages=4)
+    assert 2 * 64 * 64 / (2 * (64 + 64)) == 32 and "(64 + 64)) = 32$ FLOP/byte" in text
+    assert shared_memory_bytes(t, 2) == 65_536 and "= 65{,}536$ bytes, 64 KB" in text
+    assert shared_memory_bytes(Tiles(64, 64, 64, num_stages=2), 2) == 32 * 1024 and "use 2 stages (32 KB)" in text
+
+
+def test_kernel_tests_choose_their_own_device_and_tolerance(notebook):
+    """Exercise 5's test cells pick the kernel device and the tolerance (TF32 on a GPU) themselves."""
+    for name in ("test_ex5_visible", "test_ex5_hidden", "test_ex5_speed"):
+        _, _, body = notebook.cells[name].partition(course.END_HIDDEN)
+        assert "dev = llmu.runtime.kernel_device()" in body
+    for name in ("test_ex5_visible", "test_ex5_hidden"):
+        assert "tol = 1e-4 if llmu.runtime.interpreting() else 5e-2" in notebook.cells[name]
+
+
+def test_grouped_order_example():
+    """Exercise 5's worked example of the grouped order (3 row tiles, 2 column tiles, GROUP_M 2),
+    recomputed with the solution's (and llmu's) index arithmetic, line for line, in Python."""
+    def tile(pid, num_pid_m, num_pid_n, group_m):
+        num_pid_in_group = group_m * num_pid_n
+        first_pid_m = (pid // num_pid_in_group) * group_m
+        group_size_m = min(num_pid_m - first_pid_m, group_m)
+        return first_pid_m + (pid % num_pid_in_group) % group_size_m, (pid % num_pid_in_group) // group_size_m
+
+    order = [tile(pid, 3, 2, 2) for pid in range(6)]
+    assert sorted(order) == [(i, j) for i in range(3) for j in range(2)]      # every tile once
+    written = ", ".join(f"({i}, {j})" for i, j in order)
+    assert written == "(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (2, 1)"
+    assert f"programs 0 to 5 compute tiles (row, column) {written}" in _flat("ex5_md")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import llmu  # noqa: F401
+from llmu import runtime
 from llmu.bench.registry import REGISTRY, load_all
 from llmu.roofline import bench, gpu_roofs, registry_points, roofline_figure
 
@@ -15,8 +16,10 @@ def test_entries_are_registered():
     for name in ("gemm", "gemv"):
         entry = REGISTRY[name]
         assert entry.module == "05_prefill_decode"
-        assert {p.kind for p in entry.providers.values()} == {"builtin"}
         assert entry.gpu_sizes and entry.cpu_sizes
+    # the GEMM times llmu's Triton matmul beside PyTorch's; the GEMV PyTorch's alone
+    assert {n: p.kind for n, p in REGISTRY["gemm"].providers.items()} == {"torch": "builtin", "llmu triton": "triton"}
+    assert {p.kind for p in REGISTRY["gemv"].providers.values()} == {"builtin"}
     assert {"M": 4096, "N": 4096, "K": 4096} in REGISTRY["gemm"].gpu_sizes
     assert {"B": 1, "N": 4096, "K": 4096} in REGISTRY["gemv"].gpu_sizes
 
@@ -32,9 +35,11 @@ def test_formulas():
 def test_provider_matches_matmul(name):
     entry = load_all()[name]
     x, w = entry.setup(entry.cpu_sizes[0], torch.device("cpu"), torch.float32)
-    out = entry.providers["torch"].fn(x, w)
-    # fp32, same products; only the summation order may differ between the two library calls.
-    torch.testing.assert_close(out, x @ w.T, atol=1e-4, rtol=1e-4)
+    # fp32, same products; only the summation order may differ between the library calls.
+    torch.testing.assert_close(entry.providers["torch"].fn(x, w), x @ w.T, atol=1e-4, rtol=1e-4)
+    if "llmu triton" in entry.providers:  # on the kernel device, at a size the interpreter runs quickly
+        x, w = entry.setup({"M": 40, "N": 72, "K": 100}, runtime.kernel_device(), torch.float32)
+        torch.testing.assert_close(entry.providers["llmu triton"].fn(x, w), x @ w.T, atol=1e-4, rtol=1e-4)
 
 
 def test_registry_points_classify_prefill_and_decode():

@@ -72,3 +72,16 @@ def test_no_test_cell_reads_the_measured_run():
         if grade_id.startswith("test_"):
             names = {node.id for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Name)}
             assert not names & {"run", "roof", "local_mfu"}, grade_id
+
+
+def test_each_letter_keeps_one_meaning():
+    """B is Chinchilla's fitted constant and L the loss: the batch is b (as in module 05) and the
+    layers are n_layers in the prose of sections 1, 4 and 5."""
+    import re
+
+    cells = course.cells_by_grade_id(NOTEBOOK)
+    for grade_id in ("flops_md", "serve_md", "bench_md"):
+        maths = " ".join(re.findall(r"\$\$?(.+?)\$\$?", cells[grade_id], re.DOTALL))
+        maths = maths.replace(r"\partial L", "")  # the loss
+        assert not re.search(r"(?<![\\\w])[BL](?!\w)", maths), f"{grade_id}: B or L used for a batch or layers: {maths}"
+    assert "B = 410.7" in cells["chin_md"]

@@ -1,10 +1,11 @@
 """Module 11's benchmark entries (``llmu.spec.bench``): registered, sane rows, identical output enforced.
 
-- ``spec_decode``: its CPU size runs through the runner on SmolLM2 (about five seconds): one row
-  per provider, plain's speed-up 1, every speed-up positive, acceptance in [0, 1], tokens/step in
-  [1, gamma + 1]; a loop that changed the greedy output makes the entry fail (the runner records
-  the error) and ``measure_spec`` raise ``OutputMismatch``. Timings are not asserted (other
-  processes share the machine).
+- ``spec_decode``: plain and each draft run in turn, round after round (on a tiny model), and the
+  entry's rows carry the paired ratio over plain; its CPU size runs through the runner on SmolLM2
+  (slow: SmolLM2, at fewer tokens and rounds): one row per provider, plain's speed-up 1, every speed-up positive,
+  acceptance in [0, 1], tokens/step in [1, gamma + 1]; a loop that changed the greedy output makes
+  its rows errors (plain's stays) and ``measure_spec`` raise ``OutputMismatch``. Timings are not
+  asserted (other processes share the machine).
 - ``spec_accept_reject``: its formulas by hand, the Triton kernel and the torch reference agree
   on its inputs, its CPU sizes run through the runner (the Triton rows skipped).
 """
@@ -14,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import llmu  # noqa: F401
+import llmu.models
+import llmu.spec.prompts
 from llmu.bench import runner
 from llmu.bench.registry import REGISTRY, TOPICS, load_all
 from llmu.kvcache.reference import decode_cached
@@ -38,6 +40,7 @@ def test_entries_are_registered():
     assert decode.run is not None and decode.x_axis == "prompt"
     assert {s["prompt"] for s in decode.gpu_sizes} == {"edit", "summarise", "story"}
     assert max(s["new"] for s in decode.gpu_sizes) > max(s["new"] for s in decode.cpu_sizes)
+    assert all(s["new"] >= 64 and s["repeats"] >= 3 for s in decode.cpu_sizes + decode.gpu_sizes)
     assert [p.kind for p in step.providers.values()] == ["triton", "torch"]
     assert {s["V"] for s in step.gpu_sizes} == {49152} and max(s["V"] for s in step.cpu_sizes) < 49152
 
@@ -99,33 +102,74 @@ def test_a_changed_output_raises(monkeypatch):
         bench.measure_spec(tiny_llama(0), PROMPT, {"n-gram": (NGramDraft(), 3)}, 10, repeats=1)
 
 
+def test_plain_and_drafts_run_in_turn():
+    model = tiny_llama(0)
+    p = bench.compare_spec(model, PROMPT, {"n-gram": (NGramDraft(), 3), "exit 1": (EarlyExitDraft(model, 1), 2)},
+                           12, repeats=2)
+    assert p.order == ["plain", "n-gram", "exit 1"] * 2 and p.base == "plain" and p.reference == "plain"
+    assert p.mismatches == {} and p.figure == "decode_tokens_per_s"
+    assert p.outputs["n-gram"][1] == p.outputs["plain"][1] == decode_cached(model, PROMPT, 12).tokens
+    assert p.ratio("n-gram")["n"] == 2 and p.info["exit 1"][0]["gamma"] == 2
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        bench.compare_spec(model, PROMPT, {}, 1)
+
+
+SIZE = {"prompt": "edit", "new": 12, "gamma": 3, "exit": 1, "exit_gamma": 2, "repeats": 2}
+
+
+def _tiny_entry(monkeypatch):
+    """The entry's _run on a tiny model and PROMPT, with no end token."""
+    monkeypatch.setattr(llmu.models, "load_model", lambda dtype, device: tiny_llama(0).to(dtype))
+    monkeypatch.setattr(llmu.models, "load_tokenizer", lambda: None)
+    monkeypatch.setattr(llmu.spec.prompts, "prompt_ids", lambda tokenizer, name: list(PROMPT))
+    monkeypatch.setattr(llmu.spec.prompts, "end_token", lambda tokenizer: None)
+
+
+def test_entry_rows_on_a_tiny_model(monkeypatch):
+    _tiny_entry(monkeypatch)
+    rows = bench._run(SIZE, "cpu")
+    assert [r["provider"] for r in rows] == ["plain", "n-gram", "early exit 1"]
+    for r in rows:
+        assert r.get("status", "ok") == "ok" and r["rounds"] == 2 and r["ratio_to"] == "plain"
+        assert r["ms"] == pytest.approx(1e3 / r["tokens_per_s"]) and r["tokens"] == 12
+        assert 0 <= r["draft_share"] < 1 and "load_avg_start" in r
+    plain, ngram, _ = rows
+    assert plain["ratio"] is None and plain["speedup"] == 1.0
+    assert ngram["speedup"] == ngram["ratio"] and ngram["ratio_min"] <= ngram["ratio"] <= ngram["ratio_max"]
+
+
+def test_entry_rows_fail_on_a_changed_output(monkeypatch):
+    _tiny_entry(monkeypatch)
+    _corrupting(monkeypatch)
+    plain, *drafts = bench._run(SIZE, "cpu")
+    assert "status" not in plain
+    for row in drafts:
+        assert row["status"] == "error" and "differs from plain greedy decoding at token 11" in row["reason"]
+
+
 @pytest.mark.slow  # loads SmolLM2
 def test_spec_decode_cpu_size_on_smollm2(smollm2):
-    rows = runner.run(["spec_decode"], device="cpu", sizes="cpu", entries=[bench.SPEC_DECODE])["rows"]
-    size = bench.SPEC_DECODE.cpu_sizes[0]
+    # the CPU size's prompt, drafts and gammas, with fewer tokens and rounds: the suite checks the
+    # rows, `llmu bench spec_decode --sizes cpu` measures (about a minute)
+    size = dict(bench.SPEC_DECODE.cpu_sizes[0], new=24, repeats=2)
+    rows = runner.run(["spec_decode"], device="cpu", sizes=[size], entries=[bench.SPEC_DECODE])["rows"]
     assert [r["provider"] for r in rows] == ["plain", "n-gram", f"early exit {size['exit']}"]
     by = {r["provider"]: r for r in rows}
     for r in rows:
         assert r["status"] == "ok", r["reason"]
         assert r["kind"] == "torch" and r["dtype"] == "float32" and r["x"] == size["prompt"]
         assert r["tokens_per_s"] > 0 and r["ms"] == pytest.approx(1e3 / r["tokens_per_s"])
-        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / by["plain"]["tokens_per_s"]) and r["speedup"] > 0
-        assert r["tokens"] == by["plain"]["tokens"] and 1 <= r["tokens_per_step"] <= r["gamma"] + 1
+        assert r["rounds"] == size["repeats"] and r["ratio_to"] == "plain" and r["speedup"] > 0
+        assert r["tokens"] == by["plain"]["tokens"] == size["new"] and 1 <= r["tokens_per_step"] <= r["gamma"] + 1
         assert r["steps"] * r["tokens_per_step"] == pytest.approx(r["tokens"])
         assert 0 <= r["draft_share"] < 1
     assert by["plain"]["speedup"] == 1 and by["plain"]["acceptance"] is None and by["plain"]["gamma"] == 0
     ngram, early = by["n-gram"], by[f"early exit {size['exit']}"]
+    for r in (ngram, early):
+        assert r["speedup"] == r["ratio"] and r["ratio_min"] <= r["ratio"] <= r["ratio_max"]
     assert ngram["gamma"] == size["gamma"] and early["gamma"] == size["exit_gamma"]
     assert 0 <= early["acceptance"] <= 1 and early["draft_share"] > 0
     assert 0.3 < ngram["acceptance"] <= 1 and ngram["tokens_per_step"] > 1.5  # the edit prompt copies itself
-
-
-@pytest.mark.slow  # loads SmolLM2
-def test_spec_decode_fails_on_a_changed_output(smollm2, monkeypatch):
-    _corrupting(monkeypatch)
-    size = dict(bench.SPEC_DECODE.cpu_sizes[0], new=4)
-    (row,) = runner.run(["spec_decode"], device="cpu", sizes=[size], entries=[bench.SPEC_DECODE])["rows"]
-    assert row["status"] == "error" and "OutputMismatch" in row["reason"] and "differs" in row["reason"]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -308,10 +308,34 @@ def test_bench_entry_formulas_and_providers_agree():
             torch.testing.assert_close(a, b, **TOL32, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def test_forward_bench_entry_formulas_and_providers_agree():
+    """The forward entry (what the notebook's exercise 2 kernel computes): llmu's Triton provider
+    returns (mean loss, lse of every row), as the notebook's launcher my_fused_ce does; the torch
+    providers return the loss."""
+    from llmu.bench.registry import REGISTRY
+    from llmu.training import bench
+
+    entry = bench.FUSED_LINEAR_CROSS_ENTROPY_FORWARD
+    assert REGISTRY[entry.name] is entry and entry.module == "04_training" and entry.x_axis == "N"
+    assert {name: p.kind for name, p in entry.providers.items()} == {
+        "llmu triton": "triton", "llmu torch": "torch", "torch naive": "builtin"}
+    assert entry.gpu_sizes == bench.FUSED_LINEAR_CROSS_ENTROPY.gpu_sizes
+    size = {"N": 10, "H": 6, "V": 100}
+    assert entry.flops(size) == 2 * 10 * 6 * 100 == 12000
+    assert entry.bytes(size, 2) == 2 * (10 * 6 + 100 * 6) + 8 * 10 + 8 * 10 == 1480
+    small = {"N": 40, "H": 24, "V": 150}
+    x, w, y = entry.setup(small, KDEV, torch.float32)
+    assert not x.requires_grad and not w.requires_grad
+    loss, lse = entry.providers["llmu triton"].fn(x, w, y)
+    torch.testing.assert_close(lse, torch.logsumexp(x @ w.T, dim=1), **TOL32)
+    for name in ("llmu torch", "torch naive"):
+        torch.testing.assert_close(entry.providers[name].fn(x, w, y), loss, **TOL32)
+
+
 def test_bench_cpu_sizes_run(check_cpu_sizes_run):
     from llmu.training import bench
 
-    rows = check_cpu_sizes_run([bench.FUSED_LINEAR_CROSS_ENTROPY])
+    rows = check_cpu_sizes_run([bench.FUSED_LINEAR_CROSS_ENTROPY, bench.FUSED_LINEAR_CROSS_ENTROPY_FORWARD])
     assert {r["provider"] for r in rows if r["status"] == "ok"} == {"llmu torch", "torch naive"}
 
 

@@ -54,3 +54,11 @@ WRONG = {
 def test_setup_cell_loads_no_model(notebook):
     """The exercises must run without the model: the setup cell only imports."""
     assert "load_model(" not in notebook.cells["setup"]
+
+
+def test_the_benchmark_times_your_kernels_beside_llmus(notebook, tmp_path):
+    """The benchmark cell passes each exercise's kernel (through its launcher) as llmu's kernel of the
+    entry is called: with the solutions in place, each gives llmu's output on the entry's inputs."""
+    assert notebook.check_bench_yours(tmp_path, {"vector_add": "ex1", "softmax_rows": "ex2"},
+                                      sizes={"softmax_rows": {"M": 8, "N": 1000}}) == \
+        {"vector_add": "ok", "softmax_rows": "ok"}
