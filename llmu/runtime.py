@@ -127,6 +127,29 @@ def sm_count() -> int | None:
     return None
 
 
+#: Shared memory one block may use (the opt-in maximum of CUDA's programming guide), by compute
+#: capability: the figure for a GPU that is not at hand (``llmu gpu-compile`` compiles for it).
+SHARED_MEMORY_PER_BLOCK = {(7, 0): 96 * 1024, (7, 5): 64 * 1024, (8, 0): 163 * 1024, (8, 6): 99 * 1024,
+                           (8, 7): 163 * 1024, (8, 9): 99 * 1024, (9, 0): 227 * 1024, (10, 0): 227 * 1024,
+                           (12, 0): 99 * 1024}
+
+
+def shared_memory_per_block() -> int | None:
+    """Shared memory one block of a kernel may use on the kernel GPU, in bytes: the device's own
+    figure on a GPU; in compile-only mode the table's for the target (48 KB, CUDA's portable limit,
+    for a capability it does not list); ``None`` when kernels do not run on a GPU."""
+    cap = capability()
+    if cap is None:
+        return None
+    if _MODE == "compiled":
+        import torch
+
+        own = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "shared_memory_per_block_optin", None)
+        if own:
+            return int(own)
+    return SHARED_MEMORY_PER_BLOCK.get(tuple(cap), 48 * 1024)
+
+
 #: The first compute capability with bfloat16 arithmetic: 8.0 (Ampere, the A100; H100/H200 are 9.0).
 BF16_CAPABILITY = (8, 0)
 

@@ -45,8 +45,9 @@ __all__ = ["Paired", "interleave", "timed", "first_difference", "format_ratio", 
 
 #: The keys :meth:`Paired.row_fields` adds to a result row, besides the figure and ``ms`` keys:
 #: the paired ratio over the base provider ``ratio_to`` (``None`` on the base's own row) with its
-#: spread, whether that spread includes 1, the rounds, and the load average at start and end.
-PAIRED_FIELDS = ("ratio", "ratio_min", "ratio_max", "ratio_p20", "ratio_p80", "ratio_to", "ratio_overlaps_1",
+#: spread, whether that spread includes 1, ``speedup`` (the ratio's median, 1 on the base's own row
+#: or without a base), the rounds, and the load average at start and end.
+PAIRED_FIELDS = ("ratio", "ratio_min", "ratio_max", "ratio_p20", "ratio_p80", "ratio_to", "ratio_overlaps_1", "speedup",
                  "rounds", "load_avg_start", "load_avg_end")
 
 #: Keys of a call's dict that are not figures.
@@ -200,9 +201,10 @@ class Paired:
                    ratio_to=self.base if figure in self.samples.get(self.base, {}) else None,
                    ratio_overlaps_1=None, rounds=self.rounds, load_avg_start=self.load_avg_start,
                    load_avg_end=self.load_avg_end)
+        out["speedup"] = 1.0  # the base's own, or with no base: the row is its own reference
         if r is not None:
             out.update(ratio=r["median"], ratio_min=r["min"], ratio_max=r["max"], ratio_p20=r["p20"],
-                       ratio_p80=r["p80"], ratio_overlaps_1=r["overlaps_1"])
+                       ratio_p80=r["p80"], ratio_overlaps_1=r["overlaps_1"], speedup=r["median"])
         if name in self.mismatches:
             out.update(status="error", reason=self.mismatches[name])
         return out

@@ -209,7 +209,7 @@ class NotebookExercises:
         it where the suite runs. Returns ``{entry: "ok"}``; raises AssertionError naming what differs.
         """
         from llmu.bench import load_all
-        from llmu.bench.runner import YOURS, _mismatch, _with_yours
+        from llmu.bench.runner import YOURS, _checked, _with_yours
         from llmu.runtime import kernel_device
 
         given = _yours_in_cell(self.cells[bench_cell], f"{self.notebook.name} {bench_cell}")
@@ -226,9 +226,7 @@ class NotebookExercises:
                 size = dict((sizes or {}).get(entry_name) or entry.cpu_sizes[0])
                 inputs = entry.setup(size, kernel_device(), entry.cpu_dtype)
                 inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-                mine = entry.providers[YOURS]
-                expected = entry.providers[mine.check_against].fn(*inputs)
-                why = _mismatch(expected, mine.fn(*inputs))
+                why = _checked(entry.providers[YOURS], entry, inputs)  # what gates the timing on a GPU
             if why:
                 raise AssertionError(f"{self.notebook.name} {bench_cell}: yours[{entry_name!r}] with the solution of "
                                      f"{exercise}, at {size}: {why}")

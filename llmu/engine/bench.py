@@ -196,8 +196,7 @@ def _run(size: dict, device) -> list[dict]:
         info = paired.info[name][-1] or {}
         rows.append(dict(
             provider=name, label=name, kind="external" if name.startswith("transformers") else "torch",
-            **fields, speedup=1.0 if fields["ratio"] is None else fields["ratio"],
-            kv_waste=info.get("kv_waste", float("nan")), peak_running=info.get("peak_running", 1),
+            **fields, kv_waste=info.get("kv_waste", float("nan")), peak_running=info.get("peak_running", 1),
             steps=info.get("steps"), preemptions=info.get("preemptions"),
             prefix_cached_tokens=info.get("prefix_cached_tokens"),
             tokens=int(paired.stats(name, "tokens")["median"]),
@@ -234,9 +233,7 @@ def _run_batch1(size: dict, device) -> list[dict]:
     rows = []
     for name in paired.names:
         fields = paired.row_fields(name, "tokens_per_s", key="tokens_per_s")
-        rows.append(dict(provider=name, label=name, kind="torch", **fields,
-                         speedup=1.0 if fields["ratio"] is None else fields["ratio"],
-                         flops=2.0 * params, bytes=float(params * dtype.itemsize), dtype=dtype))
+        rows.append(dict(provider=name, label=name, kind="torch", **fields, flops=2.0 * params, bytes=float(params * dtype.itemsize), dtype=dtype))
     return rows
 
 

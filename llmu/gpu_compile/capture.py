@@ -34,9 +34,9 @@ from llmu import runtime
 #: name -> (compute capability as Triton writes it, max shared memory per block in bytes (the opt-in
 #: limit of CUDA's programming guide), streaming multiprocessors of the GPU named last)
 TARGETS: dict[str, tuple[int, int, int, str]] = {
-    "sm_90": (90, 227 * 1024, 132, "H100 / H200 SXM"),
-    "sm_80": (80, 163 * 1024, 108, "A100"),
-    "sm_75": (75, 64 * 1024, 40, "T4 (Colab's free GPU)"),
+    "sm_90": (90, runtime.SHARED_MEMORY_PER_BLOCK[(9, 0)], 132, "H100 / H200 SXM"),
+    "sm_80": (80, runtime.SHARED_MEMORY_PER_BLOCK[(8, 0)], 108, "A100"),
+    "sm_75": (75, runtime.SHARED_MEMORY_PER_BLOCK[(7, 5)], 40, "T4 (Colab's free GPU)"),
 }
 
 _REGISTERS = re.compile(r"Used (\d+) registers")

@@ -155,8 +155,9 @@ def _run_decode(size: dict, device) -> list[dict]:
     for provider in paired.names:
         flops, nbytes = decode_costs(model, t, provider == "cached", elem)
         fields = paired.row_fields(provider, key="tokens_per_s")
+        fields["speedup"] = speedup  # both rows: what the cache buys over recomputing
         rows.append(dict(provider=provider, label=f"{provider} (ms per token)", kind="torch", **fields,
-                         speedup=speedup, tokens=size.get("new", 64) if provider == "cached" else size.get("recompute", 4),
+                         tokens=size.get("new", 64) if provider == "cached" else size.get("recompute", 4),
                          flops=flops, bytes=nbytes, dtype=dtype))
     return rows
 

@@ -207,7 +207,7 @@ def _run(size: dict, device) -> list[dict]:
             fields = paired.row_fields(provider, f"{phase}_tokens_per_s", key="tokens_per_s")
             rows.append(dict(
                 provider=provider, label=f"{provider} {phase}", kind="torch" if provider == "llmu" else "external",
-                phase=phase, **fields, speedup=1.0 if fields["ratio"] is None else fields["ratio"],
+                phase=phase, **fields,
                 flops=2.0 * params, bytes=float(params * elem), dtype=dtype,
             ))
     return rows

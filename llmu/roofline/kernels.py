@@ -72,13 +72,7 @@ NUM_WARPS = (1, 2, 4, 8, 16)
 #: More stages than this only add shared memory: 3 or 4 already hide a GPU's memory latency.
 MAX_STAGES = 6
 #: Shared memory one block may use on an H100/H200 (compute capability 9.0): 227 KB.
-H100_SHARED_MEMORY = 227 * 1024
-
-#: Shared memory per block (the opt-in maximum of CUDA's programming guide) by compute capability,
-#: for a target compiled without the GPU at hand (``llmu gpu-compile``); on a GPU, its own figure.
-_SHARED_MEMORY = {(7, 0): 96 * 1024, (7, 5): 64 * 1024, (8, 0): 163 * 1024, (8, 6): 99 * 1024,
-                  (8, 7): 163 * 1024, (8, 9): 99 * 1024, (9, 0): 227 * 1024, (10, 0): 227 * 1024,
-                  (12, 0): 99 * 1024}
+H100_SHARED_MEMORY = runtime.SHARED_MEMORY_PER_BLOCK[(9, 0)]
 
 
 @dataclass(frozen=True)
@@ -143,19 +137,8 @@ def shared_memory_bytes(tiles, elem_bytes: int) -> int:
     return (t.BLOCK_M * t.BLOCK_K + t.BLOCK_K * t.BLOCK_N) * elem_bytes * t.num_stages
 
 
-def shared_memory_limit() -> int | None:
-    """Shared memory one block may use on the kernel GPU, in bytes: the device's own figure on a
-    GPU, the table's for the target in compile-only mode (48 KB, CUDA's portable limit, for a
-    capability it does not list), ``None`` in the interpreter."""
-    cap = runtime.capability()
-    if cap is None:
-        return None
-    if runtime.triton_mode() == "compiled":
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        own = getattr(props, "shared_memory_per_block_optin", None)
-        if own:
-            return int(own)
-    return _SHARED_MEMORY.get(tuple(cap), 48 * 1024)
+#: Shared memory one block may use on the kernel GPU (``None`` in the interpreter).
+shared_memory_limit = runtime.shared_memory_per_block
 
 
 def fit_tiles(tiles, elem_bytes: int, limit: int | None = None) -> Tiles:

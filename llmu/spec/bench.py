@@ -220,8 +220,7 @@ def _run(size: dict, device) -> list[dict]:
         label = ("plain decoding (gamma = 0)" if name == PLAIN
                  else f"{runs[name][0].name}, gamma = {info['gamma']}")
         rows.append(dict(
-            provider=name, label=label, kind="torch", phase="decode", **fields,
-            speedup=1.0 if fields["ratio"] is None else fields["ratio"], acceptance=info["acceptance"],
+            provider=name, label=label, kind="torch", phase="decode", **fields, acceptance=info["acceptance"],
             tokens_per_step=info["tokens_per_step"], gamma=info["gamma"],
             draft_share=paired.stats(name, "draft_s")["median"] / paired.stats(name, "seconds")["median"],
             tokens=info["tokens"], steps=info["steps"], dtype=torch.float32,

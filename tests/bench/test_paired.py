@@ -106,10 +106,12 @@ def test_row_fields():
     p = interleave({"fast": lambda: 100.0, "slow": lambda: 50.0}, repeats=3, warmup=0)
     f = p.row_fields("fast", key="tokens_per_s")
     assert f["ms"] == pytest.approx(10.0) and f["tokens_per_s"] == 100.0 and f["n_samples"] == 3
-    assert f["ratio"] == 2.0 and f["ratio_to"] == "slow" and f["ratio_overlaps_1"] is False and f["rounds"] == 3
+    assert f["ratio"] == f["speedup"] == 2.0 and f["ratio_to"] == "slow" and f["ratio_overlaps_1"] is False
+    assert f["rounds"] == 3
     assert set(paired_mod.PAIRED_FIELDS) <= set(f)
     base = p.row_fields("slow")
-    assert base["ratio"] is None and base["ratio_to"] == "slow" and base["ms"] == pytest.approx(20.0)
+    assert base["ratio"] is None and base["speedup"] == 1.0 and base["ratio_to"] == "slow"
+    assert base["ms"] == pytest.approx(20.0)
     seconds = p.row_fields("fast", rate=False)
     assert seconds["ms"] == pytest.approx(100_000.0)
     json.dumps(f)
