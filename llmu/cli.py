@@ -565,6 +565,12 @@ def _parser() -> argparse.ArgumentParser:
     gc.add_argument("-k", dest="only", default=None, help="only the launch cases whose name contains this text")
     gc.add_argument("--json", default=None, metavar="FILE", help="also write every row and problem to FILE")
     gc.add_argument("--quiet", action="store_true", help="print only the problems and the summary line")
+    gc.add_argument("--record", default=None, metavar="FILE",
+                    help="take a compile's outcome from FILE when FILE holds its hash (the first launch of each "
+                         "kernel per target still compiles and must agree); the suite uses "
+                         "tests/gpu_compile_record.json")
+    gc.add_argument("--write-record", default=None, metavar="FILE",
+                    help="write what each compile gave to FILE, by Triton's hash (when there is no problem)")
 
     c = sub.add_parser("chat", help="chat with the course's model in the terminal (streaming, with tokens/s)")
     c.add_argument("--system", default=None, help="a system prompt")
@@ -626,7 +632,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from llmu import gpu_compile
 
         targets = [t.strip() for t in args.targets.split(",") if t.strip()]
-        return gpu_compile.run(targets, only=args.only, json_path=args.json, quiet=args.quiet)
+        return gpu_compile.run(targets, only=args.only, json_path=args.json, quiet=args.quiet,
+                               record=args.record, write_record=args.write_record)
     parser.error(f"unknown command {args.command}")  # pragma: no cover - argparse rejects it first
     return 2
 

@@ -279,7 +279,7 @@ def notebooks_run_in_lab(request, chromium) -> set[str]:
             if getattr(item, "originalname", "") == LAB_TEST and hasattr(item, "callspec")}
 
 
-def _record_run(name: str, kind: str, nb, seconds: float, rss: float, where: str) -> dict:
+def _record_run(name: str, kind: str, nb, seconds: float, rss: float, where: str, skipped=()) -> dict:
     import json
 
     from llmu import course
@@ -291,6 +291,8 @@ def _record_run(name: str, kind: str, nb, seconds: float, rss: float, where: str
             cells.append({"cell": i, "grade_id": course.nbgrader_meta(cell).get("grade_id"), "seconds": round(s, 3)})
     rec = {"notebook": name, "kind": kind, "where": where, "seconds": round(seconds, 2), "peak_rss_mb": round(rss),
            "slowest_cells": sorted(cells, key=lambda c: -c["seconds"])[:5]}
+    if skipped:
+        rec["not_run_again"] = list(skipped)
     NOTEBOOK_ARTIFACTS.mkdir(parents=True, exist_ok=True)
     (NOTEBOOK_ARTIFACTS / f"{name}.{kind}.json").write_text(json.dumps(rec, indent=1))
     print(json.dumps(rec))
@@ -314,8 +316,8 @@ def notebook_errors(nb, skip=lambda cell: False) -> list[str]:
 
 @pytest.fixture(scope="session")
 def notebook_runs():
-    """What the tests that run whole notebooks share: ``record(name, kind, nb, seconds, rss, where)``
-    writes test-artifacts/notebooks/<name>.<kind>.json; ``errors(nb, skip)`` lists the cells' error
+    """What the tests that run whole notebooks share: ``record(name, kind, nb, seconds, rss, where,
+    skipped=())`` writes test-artifacts/notebooks/<name>.<kind>.json; ``errors(nb, skip)`` lists the cells' error
     outputs; ``check_solution(name, nb, seconds, results, where)`` makes the checks on a run of an
     instructor notebook (``nb`` executed, the memory probe its last cell; ``results`` nbgrader's
     verdict on it): no cell raised, nbgrader validation passes, every cell within the grading limit,

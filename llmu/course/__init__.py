@@ -25,7 +25,8 @@ Each part lives in a module of its own: :mod:`~llmu.course.paths` (folders and c
 :mod:`~llmu.course.settings` (nbgrader's configuration), :mod:`~llmu.course.releasing`,
 :mod:`~llmu.course.validation`, :mod:`~llmu.course.autograding`, :mod:`~llmu.course.notebooks`
 (cells by grade_id, playing a student), and the notebook skeleton: :mod:`~llmu.course.colab`
-(the first cell), :mod:`~llmu.course.links` (the last) and :mod:`~llmu.course.skeleton`.
+(the first cell), :mod:`~llmu.course.links` (the last) and :mod:`~llmu.course.skeleton`;
+:mod:`~llmu.course.cell_deps` (which released cells the release check need not run again).
 Every public name is importable from ``llmu.course`` itself.
 """
 
@@ -140,4 +141,8 @@ from .skeleton import (  # noqa: F401
     _LINK,
     skeleton_problems,
     apply_skeleton,
+)
+from .cell_deps import (  # noqa: F401
+    cells_to_run,
+    release_check_skips,
 )

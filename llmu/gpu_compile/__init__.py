@@ -39,8 +39,10 @@ CACHE_DIR = os.environ.get("LLMU_GPU_COMPILE_CACHE", str(cache_dir("gpu-compile"
 
 
 def run(targets: Sequence[str] = TARGET_NAMES, only: str | None = None, json_path: str | None = None,
-        quiet: bool = False, cache_dir: str = CACHE_DIR) -> int:
-    """Run the check in a fresh compile-only process; return its exit status (0: all good)."""
+        quiet: bool = False, cache_dir: str = CACHE_DIR, record: str | None = None,
+        write_record: str | None = None) -> int:
+    """Run the check in a fresh compile-only process; return its exit status (0: all good).
+    ``record``/``write_record``: see ``--record``/``--write-record`` of ``llmu gpu-compile``."""
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     env["LLMU_COMPILE_ONLY"] = "1"
@@ -56,4 +58,8 @@ def run(targets: Sequence[str] = TARGET_NAMES, only: str | None = None, json_pat
         cmd += ["--json", os.path.abspath(json_path)]
     if quiet:
         cmd += ["--quiet"]
+    if record:
+        cmd += ["--record", os.path.abspath(record)]
+    if write_record:
+        cmd += ["--write-record", os.path.abspath(write_record)]
     return subprocess.call(cmd, env=env)

@@ -2,6 +2,7 @@
 
     LLMU_COMPILE_ONLY=1 CUDA_VISIBLE_DEVICES= python -m llmu.gpu_compile [--targets sm_90,sm_80,sm_75]
                                                                            [-k NAME] [--json FILE] [--quiet]
+                                                                           [--record FILE] [--write-record FILE]
 """
 
 from __future__ import annotations
@@ -145,6 +146,40 @@ def _print_table(rows: list) -> None:
               f"{r.status:7}  {what}")
 
 
+def read_record(path: str) -> dict:
+    """The entries of a record file written by ``--write-record`` (``{}`` when there is none)."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
+        raise ValueError(f"{path}: not a gpu-compile record (no 'entries' mapping)")
+    return data["entries"]
+
+
+def write_record(path: str, rows: list, targets: list, partial: bool) -> int:
+    """Write the record of ``rows`` to ``path``; entries of other targets already there are kept
+    (and, after a partial run (``-k``), those of these targets too). Returns the number written."""
+    kept = {h: e for h, e in read_record(path).items() if partial or e.get("target") not in targets}
+    return write_entries(path, {**kept, **capture.record_entries(rows)})
+
+
+def write_entries(path: str, entries: dict) -> int:
+    """Write a record file holding ``entries`` (``{hash: outcome}``), sorted by hash."""
+    import triton
+
+    entries = dict(sorted(entries.items()))
+    tmp = f"{path}.{os.getpid()}.tmp"
+    about = ("llmu gpu-compile: what each compile gave, by Triton's hash of the compile; written by "
+             "`make gpu-compile-record`, read by tests/test_gpu_compile.py")
+    with open(tmp, "w") as f:   # one entry per line: a changed kernel is a readable diff
+        f.write("{\n" + f'"about": {json.dumps(about)},\n"triton": {json.dumps(triton.__version__)},\n"entries": {{\n')
+        f.write(",\n".join(f"{json.dumps(h)}: {json.dumps(e, sort_keys=True)}" for h, e in entries.items()))
+        f.write("\n}\n}\n")
+    os.replace(tmp, path)
+    return len(entries)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="llmu gpu-compile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -153,6 +188,11 @@ def main(argv=None) -> int:
     parser.add_argument("-k", dest="only", default=None, help="only cases whose name contains this text")
     parser.add_argument("--json", default=None, help="write every row and problem to this file")
     parser.add_argument("--quiet", action="store_true", help="print the problems and the summary only")
+    parser.add_argument("--record", default=None, metavar="FILE",
+                        help="take the outcome of a compile whose hash FILE holds from FILE instead of compiling "
+                             "(the first launch of each kernel per target still compiles, and must agree)")
+    parser.add_argument("--write-record", default=None, metavar="FILE",
+                        help="write what every compile gave to FILE, by hash (only when there is no problem)")
     args = parser.parse_args(argv)
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     for t in targets:
@@ -165,6 +205,8 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", message=".*FP_FUSION.*")
     torch.set_num_threads(1)
     capture.install()
+    if args.record:
+        capture.use_record(read_record(args.record))
 
     t0 = time.time()
     cases = [c for c in all_cases() if args.only is None or args.only in c.name]
@@ -188,16 +230,26 @@ def main(argv=None) -> int:
     summary = (f"{len(compiled)} compiles of {len(kernels)} kernels for {', '.join(targets)} from {len(cases)} cases "
                f"in {time.time() - t0:.0f} s; {sum(r.status == 'refused' for r in rows)} refused by design; "
                f"{len(problems)} problems")
+    # distinct compiles (hashes): a launch the JIT found in its own memory is not counted again
+    compiled_here = {r.hash for r in capture.SESSION.rows if r.status == "ok" and r.source == "compiled"}
+    recalled = {r.hash for r in capture.SESSION.rows if r.status == "ok" and r.source == "record"} - compiled_here
+    if args.record:
+        summary += (f"; {len(recalled)} of {len(recalled) + len(compiled_here)} configurations taken from the "
+                    f"record {args.record}, {len(compiled_here)} compiled here")
     for p in problems:
         print("PROBLEM", p)
     print(summary)
+    if args.write_record and not problems:
+        n = write_record(args.write_record, capture.SESSION.rows, targets, partial=args.only is not None)
+        print(f"wrote {n} compiles to the record {args.write_record}")
     if args.json:
         import triton
 
         with open(args.json, "w") as f:
             json.dump({"targets": targets, "triton": triton.__version__, "torch": torch.__version__,
                        "python": sys.version.split()[0], "summary": summary, "problems": problems,
-                       "rows": [r.as_dict() for r in rows]}, f, indent=1)
+                       "rows": [r.as_dict() for r in rows],
+                       "compiles": {"compiled": len(compiled_here), "record": len(recalled)}}, f, indent=1)
     return 1 if problems else 0
 
 

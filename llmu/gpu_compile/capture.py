@@ -16,6 +16,17 @@ How it works, in three steps:
 
 What a GPU would refuse at load time is checked here instead: the shared memory the compiled
 kernel asks for against the architecture's limit. ``ptxas -v`` reports registers and spills.
+
+A *record* (:func:`use_record`) skips compiles whose outcome is already known. Triton names each
+compile by a hash of everything that decides its result: the kernel's source and the source of
+every function it calls, the constexprs, the argument types and their specialization (alignment,
+divisibility by 16), the options (warps, stages), the target, and Triton's own version and files
+(the hash of its cache, ``triton.compiler.compile``). A record maps such hashes to what the compile
+gave (shared memory, registers, spills). A launch whose hash is in the record takes those figures
+without compiling; anything that changed (an edited kernel, a new configuration, another Triton)
+has a new hash and is compiled. The first launch of each kernel for each target is always compiled
+for real and must agree with the record, so a record that does not belong to this compiler fails
+the check instead of hiding a fault.
 """
 
 from __future__ import annotations
@@ -58,8 +69,12 @@ class Row:
     registers: int | None = None
     spill_stores: int | None = None
     spill_loads: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
     status: str = "ok"          # ok | refused (the launcher said why) | error
     message: str = ""
+    hash: str = ""              # Triton's hash of the compile (its cache key)
+    source: str = "compiled"    # compiled | record (its hash was in the record: not compiled again)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -99,6 +114,9 @@ class _Session:
     rows: list[Row] = field(default_factory=list)
     launched: set = field(default_factory=set)            # JITFunction objects compiled at least once
     ptxas: dict = field(default_factory=dict)             # compiled kernel hash -> (regs, stores, loads)
+    record: dict | None = None                            # hash -> outcome, when a record is in use
+    compiled_for_real: set = field(default_factory=set)   # (kernel, target) compiled at least once
+    force_compile: bool = False                           # the launch being made must really compile
 
 
 SESSION = _Session()
@@ -128,6 +146,55 @@ def _save_report(kernel_hash: str, report: tuple) -> None:
         with open(tmp, "w") as f:
             json.dump(report, f)
         os.replace(tmp, path)
+
+
+#: What a record keeps of each compile, besides its hash.
+RECORD_FIELDS = ("kernel", "target", "shared", "registers", "spill_stores", "spill_loads", "num_warps", "num_stages")
+
+
+def use_record(entries: dict) -> None:
+    """Trust ``entries`` (``{hash: {field: value}}``, see :data:`RECORD_FIELDS`) for the launches of
+    this process, as the module docstring explains."""
+    if not isinstance(entries, dict):
+        raise TypeError(f"entries must be a dict of hash -> outcome, got {type(entries).__name__}")
+    SESSION.record = entries
+
+
+def record_entries(rows) -> dict:
+    """The record of ``rows``: ``{hash: outcome}`` for every compile that succeeded."""
+    return {r.hash: {f: getattr(r, f) for f in RECORD_FIELDS}
+            for r in rows if r.status == "ok" and r.hash and r.registers is not None}
+
+
+class _Recorded:
+    """What the JIT gets back instead of a ``CompiledKernel`` for a launch found in the record: only
+    what the hook reads (the hash and the metadata); nothing can launch it, and nothing tries."""
+
+    def __init__(self, hash: str, entry: dict, name: str):
+        from collections import namedtuple
+
+        self.hash = hash
+        meta = namedtuple("RecordedMetadata", "name shared num_warps num_stages")
+        self.metadata = meta(name, entry["shared"], entry["num_warps"], entry["num_stages"])
+
+
+def _compile_or_recall(src, target=None, options=None, _env_vars=None):
+    """``triton.compiler.compile``, unless the record already holds this compile's outcome. The hash
+    is computed exactly as ``compile`` computes it before looking in its own cache."""
+    import hashlib
+
+    from triton.compiler import compiler  # its own names, as compile() sees them
+
+    record = SESSION.record
+    if record and not SESSION.force_compile and not isinstance(src, str):
+        backend = compiler.make_backend(target)
+        parsed = backend.parse_options(dict(options or {}, **src.parse_options()))
+        env_vars = compiler.get_cache_invalidating_env_vars() if _env_vars is None else _env_vars
+        key = compiler.get_cache_key(src, backend, parsed, env_vars=env_vars)
+        hash = hashlib.sha256(key.encode("utf-8")).hexdigest()
+        if hash in record:
+            return _Recorded(hash, record[hash], src.name)
+    return compiler.compile(src, target=target, options=options, _env_vars=_env_vars)
 
 
 def _kernel_name(fn) -> str:
@@ -167,6 +234,8 @@ def _compile_hook(self, *args, grid, warmup, **kwargs):
               config=config, signature=signature, shared_limit=limit)
     previous = driver._active
     log = io.StringIO()
+    # With a record, the first launch of each kernel for each target compiles regardless.
+    SESSION.force_compile = (row.kernel, row.target) not in SESSION.compiled_for_real
     try:
         driver.set_active(TargetDriver(capability))
         knobs.nvidia.dump_ptxas_log = True   # ptxas -v output (registers, spills) goes to stdout
@@ -181,9 +250,13 @@ def _compile_hook(self, *args, grid, warmup, **kwargs):
         driver._active = previous
     SESSION.launched.add(self)
     meta = compiled.metadata
-    row.shared = int(meta.shared)
+    row.shared, row.hash = int(meta.shared), compiled.hash
     text = log.getvalue()
-    if text:  # a fresh compile; a kernel served from Triton's caches printed nothing
+    if isinstance(compiled, _Recorded):
+        row.source = "record"
+        entry = SESSION.record[compiled.hash]
+        SESSION.ptxas[compiled.hash] = (entry["registers"], entry["spill_stores"], entry["spill_loads"])
+    elif text:  # a fresh compile; a kernel served from Triton's caches printed nothing
         regs, spills = _REGISTERS.findall(text), _SPILLS.findall(text)
         SESSION.ptxas[compiled.hash] = (int(regs[-1]) if regs else None,
                                         int(spills[-1][0]) if spills else None,
@@ -192,10 +265,24 @@ def _compile_hook(self, *args, grid, warmup, **kwargs):
     elif compiled.hash not in SESSION.ptxas:
         SESSION.ptxas[compiled.hash] = _load_report(compiled.hash) or (None, None, None)
     row.registers, row.spill_stores, row.spill_loads = SESSION.ptxas[compiled.hash]
+    row.num_warps, row.num_stages = int(meta.num_warps), int(meta.num_stages)
+    if row.source == "compiled":
+        SESSION.compiled_for_real.add((row.kernel, row.target))
+        recorded = (SESSION.record or {}).get(row.hash)
+        if recorded is not None:
+            found = {f: getattr(row, f) for f in RECORD_FIELDS}
+            differ = {f: (recorded.get(f), found[f]) for f in RECORD_FIELDS if recorded.get(f) != found[f]}
+            if differ:
+                row.status = "error"
+                row.message = ("the record disagrees with the compiler here (" +
+                               ", ".join(f"{f}: recorded {a}, compiled {b}" for f, (a, b) in differ.items()) +
+                               "): the record was not made by this Triton; write it again")
+                SESSION.rows.append(row)
+                return None
     for option in ("num_warps", "num_stages"):  # the defaults, when the launcher left them to Triton
         if f"{option}=" not in row.config:
             row.config = f"{row.config} {option}={getattr(meta, option)}".strip()
-    if row.shared > limit:
+    if row.shared > limit and row.status == "ok":
         row.status = "error"
         row.message = f"needs {row.shared} B of shared memory; {SESSION.target} allows {limit} B per block"
     SESSION.rows.append(row)
@@ -211,8 +298,12 @@ def install() -> None:
     from triton.runtime.jit import JITFunction
 
     if _ORIGINAL_RUN is None:
+        import triton.compiler
+
         _ORIGINAL_RUN = JITFunction.run
         JITFunction.run = _compile_hook
+        # JITFunction.create_binder imports `compile` from here when it first meets a device
+        triton.compiler.compile = _compile_or_recall
 
 
 @contextlib.contextmanager

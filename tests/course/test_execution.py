@@ -8,6 +8,10 @@
 * The student notebook (course/) as released: every autograded test cell FAILS on the stubs (the
   ``--invert`` check: no graded cell passes), yet every other cell — explanations, pictures, demos,
   the benchmark — still runs, because they use llmu's reference code, not the learner's.
+  A cell that is the instructor's own, reads nothing an exercise binds and is needed by no cell
+  that does is not run again here: it does what it did in the instructor notebook's run of this
+  session (``llmu.course.cell_deps`` says how that is decided); every answer, every test, and
+  every cell that could see the learner's code runs on the stubs.
 
 Each notebook is executed in a copy of its assignment folder in a temporary directory (so that
 nothing it writes lands in the repository), with a last cell appended that reports the kernel's
@@ -19,9 +23,11 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import nbformat
 import pytest
 
 from llmu import course
+
 
 pytestmark = [pytest.mark.slow, pytest.mark.notebooks]
 
@@ -33,20 +39,31 @@ def _ids(paths):
     return [p.parent.name for p in paths]
 
 
-def _copy_with_probe(nb_path: Path, tmp: Path) -> Path:
-    """Copy the assignment folder of ``nb_path`` into ``tmp`` and append the memory probe cell."""
+def _copy_with_probe(nb_path: Path, tmp: Path, skip_as_in: Path | None = None) -> tuple[Path, dict]:
+    """Copy the assignment folder of ``nb_path`` into ``tmp`` and append the memory probe cell.
+    With ``skip_as_in`` (the instructor notebook), tag the cells that behave as they do there
+    ``skip-execution`` (nbclient leaves them out; tags are not part of nbgrader's checksums) and
+    return them."""
     dest_dir = tmp / nb_path.parent.name
     shutil.copytree(nb_path.parent, dest_dir)
     dest = dest_dir / nb_path.name
     course.add_memory_probe(dest)
-    return dest
+    skipped = {}
+    if skip_as_in is not None:
+        nb = nbformat.read(str(dest), as_version=4)
+        source = nbformat.read(str(skip_as_in), as_version=4)
+        skipped = course.release_check_skips(nb, source, course.is_solution, course.is_test)
+        for i in skipped:
+            nb.cells[i].metadata.setdefault("tags", []).append("skip-execution")
+        nbformat.write(nb, str(dest))
+    return dest, skipped
 
 
 @pytest.mark.parametrize("src", SOURCES, ids=_ids(SOURCES))
 def test_solution_notebook_runs_and_validates(src, tmp_path, notebook_runs, notebooks_run_in_lab):
     if src.parent.name in notebooks_run_in_lab:
         pytest.skip("run once, in JupyterLab: tests/browser/test_lab.py makes these checks on that run")
-    nb_path = _copy_with_probe(src, tmp_path)
+    nb_path, _ = _copy_with_probe(src, tmp_path)
     run = course.execute_and_validate(nb_path, timeout=course.CELL_TIMEOUT)
     notebook_runs.check_solution(src.parent.name, run.notebook, run.seconds, run.results, where="nbclient")
 
@@ -55,9 +72,10 @@ def test_solution_notebook_runs_and_validates(src, tmp_path, notebook_runs, note
 def test_released_notebook_fails_its_tests_and_runs_the_rest(src, tmp_path, notebook_runs):
     released = course.released_twin(src, ROOT)
     assert released.is_file(), f"no release of {src.parent.name}: run `llmu release`"
-    nb_path = _copy_with_probe(released, tmp_path)
+    nb_path, skipped = _copy_with_probe(released, tmp_path, skip_as_in=src)
     run = course.execute_and_validate(nb_path, invert=True, timeout=course.CELL_TIMEOUT)
-    notebook_runs.record(src.parent.name, "course", run.notebook, run.seconds, course.peak_rss_mb(run.notebook), "nbclient")
+    notebook_runs.record(src.parent.name, "course", run.notebook, run.seconds, course.peak_rss_mb(run.notebook), "nbclient",
+                         skipped=[run.notebook.cells[i].metadata.get("nbgrader", {}).get("grade_id", i) for i in skipped])
 
     assert "changed" not in run.results, f"checksums of locked cells differ in the release: {run.results['changed']}"
     assert "type_changed" not in run.results, run.results
