@@ -201,16 +201,35 @@ def _run(size: dict, device) -> list[dict]:
     paired = compare_decode(model, p, n, repeats=size.get("repeats", 5), providers=tuple(providers))
     params = model.num_parameters()
     elem = torch.empty((), dtype=dtype).element_size()
+    roof = decode_roof(model, device)
     rows = []
     for provider in paired.names:
         for phase in ("prefill", "decode"):
             fields = paired.row_fields(provider, f"{phase}_tokens_per_s", key="tokens_per_s")
-            rows.append(dict(
+            row = dict(
                 provider=provider, label=f"{provider} {phase}", kind="torch" if provider == "llmu" else "external",
                 phase=phase, **fields,
-                flops=2.0 * params, bytes=float(params * elem), dtype=dtype,
-            ))
+                flops=2.0 * params, bytes=float(params * elem), dtype=dtype, threads=torch.get_num_threads(),
+            )
+            if phase == "decode":
+                row.update(roof, roof_fraction=fields["tokens_per_s"] / roof["roof_tokens_per_s"])
+            rows.append(row)
     return rows
+
+
+def decode_roof(model, device=None, budget_s: float = 1.0) -> dict:
+    """The memory roof of decoding ``model`` at batch 1 here: every weight is read once per token,
+    so no implementation can beat ``bandwidth / weight bytes`` tokens/s. The bandwidth is this
+    machine's copy rate, measured now with torch's current threads
+    (:func:`llmu.roofline.measure_machine`); the weight bytes count a tied embedding once (the
+    head reads it whole, the lookup one row). Returns ``weight_bytes_per_token``,
+    ``bandwidth_gbs`` and ``roof_tokens_per_s``."""
+    from llmu.roofline.measure import measure_machine
+
+    weight_bytes = model.num_parameters() * torch.empty((), dtype=model.dtype).element_size()
+    bandwidth = measure_machine(device if device is not None else model.device, budget_s=budget_s).bandwidth
+    return {"weight_bytes_per_token": float(weight_bytes), "bandwidth_gbs": bandwidth / 1e9,
+            "roof_tokens_per_s": bandwidth / weight_bytes}
 
 
 DECODE = register(

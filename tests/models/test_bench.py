@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import llmu  # noqa: F401
+from llmu.bench.cli import ratio_note
 from llmu.bench.registry import load_all
 from llmu.models import LlamaConfig, LlamaModel, loading, tiny_llama
 from llmu.models import bench as models_bench
@@ -89,6 +90,14 @@ def test_entry_rows_on_a_tiny_model(monkeypatch):
     assert llmu_decode["ratio_min"] <= llmu_decode["ratio"] <= llmu_decode["ratio_max"]
     assert llmu_decode["speedup"] == llmu_decode["ratio"] and isinstance(llmu_decode["ratio_overlaps_1"], bool)
     assert hf_decode["ratio"] is None and hf_decode["speedup"] == 1.0
+    # the memory roof beside each decode row: every weight read once per token
+    model = _tiny()
+    for r in (llmu_decode, hf_decode):
+        assert r["weight_bytes_per_token"] == model.num_parameters() * 4 and r["bandwidth_gbs"] > 0
+        assert r["roof_tokens_per_s"] == pytest.approx(r["bandwidth_gbs"] * 1e9 / r["weight_bytes_per_token"])
+        assert r["roof_fraction"] == pytest.approx(r["tokens_per_s"] / r["roof_tokens_per_s"])
+    assert "roof_fraction" not in rows[0] and "roof_fraction" not in rows[2]    # prefill is not bound by it
+    assert "of the memory roof (" in ratio_note(llmu_decode)
 
 
 def test_entry_fails_when_the_ids_differ(monkeypatch):
