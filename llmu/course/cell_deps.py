@@ -19,7 +19,7 @@ Which cells must run, from the names each cell binds and reads (Python's ``ast``
 3. every cell that binds a name a running cell reads, from any earlier cell (transitively): the
    running cells must see the state they saw in the instructor's run;
 4. any cell the analysis cannot follow: a syntax error (IPython magics), ``exec``/``eval``,
-   ``globals()``/``locals()``/``vars()``, ``get_ipython``, ``import *``.
+   ``globals()``/``locals()``/``vars()``, ``get_ipython``, ``import *``, ``match``.
 
 What it cannot see is a cell that changes shared state without binding a name (a method call such
 as ``torch.manual_seed(0)`` or ``model.eval()``): a cell left out never runs such a call. A
@@ -255,6 +255,8 @@ def _cell(source: str) -> _Cell | None:
     cell.visit(tree)
     for sub in ast.walk(tree):
         if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Name) and sub.func.id in _OPAQUE_CALLS:
+            cell.opaque = True
+        if isinstance(sub, ast.Match):   # its patterns bind names this analysis does not follow
             cell.opaque = True
     if cell.opaque or "get_ipython" in cell.reads | cell.late:
         return None

@@ -221,13 +221,13 @@ def decode_roof(model, device=None, budget_s: float = 1.0) -> dict:
     """The memory roof of decoding ``model`` at batch 1 here: every weight is read once per token,
     so no implementation can beat ``bandwidth / weight bytes`` tokens/s. The bandwidth is this
     machine's copy rate, measured now with torch's current threads
-    (:func:`llmu.roofline.measure_machine`); the weight bytes count a tied embedding once (the
-    head reads it whole, the lookup one row). Returns ``weight_bytes_per_token``,
-    ``bandwidth_gbs`` and ``roof_tokens_per_s``."""
-    from llmu.roofline.measure import measure_machine
+    (:func:`llmu.bench.machine.copy_bandwidth`, as module 05's ``measure_machine`` measures it); the
+    weight bytes count a tied embedding once (the head reads it whole, the lookup one row). Returns
+    ``weight_bytes_per_token``, ``bandwidth_gbs`` and ``roof_tokens_per_s``."""
+    from llmu.bench.machine import copy_bandwidth
 
     weight_bytes = model.num_parameters() * torch.empty((), dtype=model.dtype).element_size()
-    bandwidth = measure_machine(device if device is not None else model.device, budget_s=budget_s).bandwidth
+    bandwidth, _, _ = copy_bandwidth(device if device is not None else model.device, budget_s=budget_s)
     return {"weight_bytes_per_token": float(weight_bytes), "bandwidth_gbs": bandwidth / 1e9,
             "roof_tokens_per_s": bandwidth / weight_bytes}
 

@@ -34,50 +34,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from llmu.bench.machine import Threads, best_rate, copy_bandwidth
 from llmu.roofline.model import Roof
 
 __all__ = ["MachineRoof", "measure_machine", "TokenLatency", "token_latency", "latency_metrics",
            "gemv_sweep", "model_weight_bytes"]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class _Threads:
-    """Set torch's CPU threads for a block and restore them after (``None``: leave them)."""
-
-    def __init__(self, threads: int | None):
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-            raise ValueError(f"threads must be an int >= 1 or None, got {threads!r}")
-        self.threads = threads
-
-    def __enter__(self):
-        self.previous = torch.get_num_threads()
-        if self.threads is not None:
-            torch.set_num_threads(self.threads)
-
-    def __exit__(self, *exc):
-        torch.set_num_threads(self.previous)
-
-
-def _best_rate(fn, work: float, device: torch.device, budget_s: float, min_runs: int = 3) -> tuple[float, int]:
-    """Run ``fn`` until ``budget_s`` is spent (at least ``min_runs`` times after a warm-up) and
-    return the best ``work / seconds`` and the number of timed runs."""
-    fn()
-    _sync(device)
-    best, runs, started = 0.0, 0, time.perf_counter()
-    while runs < min_runs or time.perf_counter() - started < budget_s:
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        elapsed = time.perf_counter() - t0
-        best = max(best, work / max(elapsed, 1e-9))
-        runs += 1
-        if runs >= 1000:
-            break
-    return best, runs
 
 
 @dataclass(frozen=True)
@@ -152,19 +113,14 @@ def measure_machine(device=None, dtype=torch.float32, budget_s: float = 3.0, mat
     if isinstance(copy_mb, bool) or not isinstance(copy_mb, int) or copy_mb < 1:
         raise ValueError(f"copy_mb must be an int >= 1 (MiB), got {copy_mb!r}")
     started = time.perf_counter()
-    with _Threads(threads):
+    with Threads(threads):
         g = torch.Generator(device="cpu").manual_seed(0)
         a = torch.randn(matmul_n, matmul_n, generator=g).to(device=device, dtype=dtype)
         b = torch.randn(matmul_n, matmul_n, generator=g).to(device=device, dtype=dtype)
         out = torch.empty(matmul_n, matmul_n, device=device, dtype=dtype)
-        flops, runs_mm = _best_rate(lambda: torch.matmul(a, b, out=out), 2.0 * matmul_n**3, device, budget_s / 2)
+        flops, runs_mm = best_rate(lambda: torch.matmul(a, b, out=out), 2.0 * matmul_n**3, device, budget_s / 2)
         del a, b, out
-        n_elem = copy_mb * 2**20 // 4
-        src = torch.ones(n_elem, device=device, dtype=torch.float32)  # written once: pages are real
-        dst = torch.zeros_like(src)
-        copy_bytes = src.numel() * src.element_size()
-        bandwidth, runs_copy = _best_rate(lambda: dst.copy_(src), 2.0 * copy_bytes, device, budget_s / 2)
-        del src, dst
+        bandwidth, runs_copy, copy_bytes = copy_bandwidth(device, copy_mb, budget_s / 2)
         used_threads = torch.get_num_threads()
     from llmu.bench.peaks import dtype_name
 
@@ -187,7 +143,7 @@ def gemv_sweep(shapes: Sequence[tuple[int, int]] = ((2048, 2048), (4096, 4096), 
     """
     device = torch.device(device) if device is not None else torch.device("cpu")
     rows = []
-    with _Threads(threads):
+    with Threads(threads):
         for n, k in shapes:
             for dtype in dtypes:
                 g = torch.Generator(device="cpu").manual_seed(0)
@@ -196,7 +152,7 @@ def gemv_sweep(shapes: Sequence[tuple[int, int]] = ((2048, 2048), (4096, 4096), 
                 elem = w.element_size()
                 flops = 2.0 * batch * n * k
                 nbytes = float(elem * (n * k + batch * k + batch * n))
-                rate, _ = _best_rate(lambda: torch.nn.functional.linear(x, w), 1.0, device, budget_s)
+                rate, _ = best_rate(lambda: torch.nn.functional.linear(x, w), 1.0, device, budget_s)
                 ms = 1e3 / rate
                 rows.append(dict(N=n, K=k, batch=batch, dtype=str(dtype).removeprefix("torch."),
                                  elem_bytes=elem, weight_bytes=n * k * elem, bytes=nbytes, flops=flops,
@@ -305,7 +261,7 @@ def latency_metrics(model, prompt_lens: Sequence[int] = (16, 64, 256), new_token
                     gap_max_s=max(gaps), prefill_s=stats.prefill_s, decode_s=stats.decode_s)
 
     rows = []
-    with _Threads(threads):
+    with Threads(threads):
         if warmup:  # the first forward passes allocate and choose kernels
             for _ in generate_ids(model, _random_prompt(model.config.vocab_size, min(lens), seed), 2):
                 pass

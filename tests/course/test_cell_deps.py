@@ -93,7 +93,8 @@ def test_a_running_cell_gets_every_earlier_cell_it_may_read_from():
     assert _skipped(sources, answers=[2], tests=[3]) == set()
 
 
-@pytest.mark.parametrize("opaque", ["%timeit 1 + 1", "exec('q = 1')", "from math import *", "print(globals())"])
+@pytest.mark.parametrize("opaque", ["%timeit 1 + 1", "exec('q = 1')", "from math import *", "print(globals())",
+                                    "match b:\n    case 2:\n        pass\n    case other:\n        q = other"])
 def test_a_cell_the_analysis_cannot_follow_runs_with_everything_before_it(opaque):
     sources = ["a = 1", "b = 2", STUB, opaque, "assert my_fn(1)"]
     assert _skipped(sources, answers=[2], tests=[4]) == set()

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from llmu.models import llama
 from llmu.models.llama import Linear, _gemv_blocks, tiny_llama
-from llmu.roofline.measure import _Threads as threads  # torch's threads for a block, restored after
+from llmu.bench.machine import Threads as threads  # torch's threads for a block, restored after
 
 
 @contextlib.contextmanager
