@@ -43,6 +43,7 @@ import triton.language as tl
 
 from llmu import runtime
 from llmu.checks import require_attention_inputs, require_tensor
+from llmu.flash.reference import attention_function
 
 __all__ = ["flash_attention", "flash_attention_forward", "flash_attention_backward",
            "FlashAttentionFunction", "HEAD_DIMS", "default_blocks"]
@@ -438,22 +439,18 @@ def flash_attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale
     return dq, dk, dv
 
 
-class FlashAttentionFunction(torch.autograd.Function):
-    """FlashAttention-2 forward and backward; saves exactly ``(q, k, v, o, lse)`` for the backward."""
+FlashAttentionFunction = attention_function(
+    "FlashAttentionFunction",
+    lambda q, k, v, causal, scale, block_m, block_n: flash_attention_forward(
+        q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n),
+    lambda q, k, v, o, lse, do, causal, scale: flash_attention_backward(
+        q, k, v, o, lse, do.contiguous(), causal=causal, scale=scale),
+    """FlashAttention-2 forward and backward; saves exactly ``(q, k, v, o, lse)`` for the backward.
 
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale, block_m, block_n):
-        o, lse = flash_attention_forward(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale = causal, scale
-        ctx.mark_non_differentiable(lse)
-        return o, lse
-
-    @staticmethod
-    def backward(ctx, do, _dlse):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = flash_attention_backward(q, k, v, o, lse, do.contiguous(), causal=ctx.causal, scale=ctx.scale)
-        return dq, dk, dv, None, None, None, None
+    ``FlashAttentionFunction.apply(q, k, v, causal=False, scale=None, block_m=None, block_n=None)``
+    (``apply`` takes its arguments by position only); ``q``, ``k``, ``v`` 4-D ``(B, H, N, D)`` or
+    3-D ``(B, N, D)`` for one head. Returns ``(o, lse)`` shaped like ``q`` and ``q`` without ``D``.
+    """)
 
 
 def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False,
@@ -461,8 +458,9 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
     """FlashAttention-2: ``softmax(q k^T * scale + mask) v``, differentiable, scores never stored.
 
     ``q`` ``(B, H, Tq, D)``, ``k``/``v`` ``(B, Hkv, Tk, D)``, one float dtype, on the kernel device;
-    ``D`` in :data:`HEAD_DIMS`. Returns ``out`` (``q``'s dtype), or ``(out, lse)`` with
-    ``return_lse``. ``block_m``/``block_n`` override the tile sizes (powers of two >= 16).
+    or all three 3-D ``(B, T, D)`` for one head. ``D`` in :data:`HEAD_DIMS`. Returns ``out``
+    (``q``'s dtype and shape), or ``(out, lse)`` with ``return_lse``. ``block_m``/``block_n``
+    override the tile sizes (powers of two >= 16).
     """
     out, lse = FlashAttentionFunction.apply(q, k, v, bool(causal), scale, block_m, block_n)
     return (out, lse) if return_lse else out

@@ -202,3 +202,72 @@ def flash_hbm_elements(n, d: int, block_q: int = 128) -> float:
     """
     blocks = -(-n // block_q)
     return 2 * n * d + 2 * n * d * blocks + n
+
+
+def _heads(q, k, v) -> bool:
+    """True when ``q``, ``k``, ``v`` are 3-D ``(B, N, D)``, one head (then viewed as ``(B, 1, N, D)``);
+    False when 4-D; otherwise a ValueError naming the shapes."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    dims = (q.dim(), k.dim(), v.dim())
+    if dims == (3, 3, 3):
+        return True
+    if dims == (4, 4, 4):
+        return False
+    raise ValueError(f"q, k, v must all be 4-D (batch, heads, seq, head_dim) or all 3-D (batch, seq, head_dim), "
+                     f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+
+
+def _to_heads(q, k, v):
+    """``((q, k, v), one_head)``: 3-D inputs viewed as one head ``(B, 1, N, D)``; 4-D as they are."""
+    one_head = _heads(q, k, v)
+    return ((q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)) if one_head else (q, k, v)), one_head
+
+
+def _from_heads(one_head: bool, *tensors):
+    """Undo :func:`_to_heads` on results (drop the head dimension of one-head inputs)."""
+    return tuple(t.squeeze(1) for t in tensors) if one_head else tensors
+
+
+def attention_function(name: str, forward, backward, doc: str) -> type[torch.autograd.Function]:
+    """A differentiable attention ``name`` from a ``forward(q, k, v, causal, scale, block_a, block_b)
+    -> (o, lse)`` and a ``backward(q, k, v, o, lse, do, causal, scale) -> (dq, dk, dv)`` on 4-D
+    tensors: it accepts 3-D one-head input too, defaults everything after ``v``, and saves exactly
+    ``(q, k, v, o, lse)``. The Triton kernels and this module's torch reference are both made so."""
+
+    class Function(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, causal=False, scale=None, block_a=None, block_b=None):
+            (q, k, v), ctx.one_head = _to_heads(q, k, v)
+            o, lse = forward(q, k, v, bool(causal), scale, block_a, block_b)
+            ctx.save_for_backward(q, k, v, o, lse)
+            ctx.causal, ctx.scale = bool(causal), scale
+            ctx.mark_non_differentiable(lse)
+            return _from_heads(ctx.one_head, o, lse)
+
+        @staticmethod
+        def backward(ctx, do, _dlse):
+            q, k, v, o, lse = ctx.saved_tensors
+            do = do.unsqueeze(1) if ctx.one_head else do
+            grads = backward(q, k, v, o, lse, do, ctx.causal, ctx.scale)
+            return (*_from_heads(ctx.one_head, *grads), None, None, None, None)
+
+    Function.__name__ = Function.__qualname__ = name
+    Function.__doc__ = doc
+    return Function
+
+
+FlashAttentionReference = attention_function(
+    "FlashAttentionReference",
+    lambda q, k, v, causal, scale, block_q, block_k: flash_attention(
+        q, k, v, causal=causal, scale=scale, block_q=block_q or 64, block_k=block_k or 64),
+    lambda q, k, v, o, lse, do, causal, scale: attention_backward(q, k, v, o, lse, do, causal=causal, scale=scale),
+    """The torch reference as a differentiable function, paired as the Triton one is
+    (:class:`llmu.flash.kernels.FlashAttentionFunction`): the forward is the tiled
+    :func:`flash_attention`, the backward :func:`attention_backward`, and it saves exactly what
+    the Triton one saves, ``(q, k, v, o, lse)``, never the ``N x N`` probabilities.
+
+    ``FlashAttentionReference.apply(q, k, v, causal=False, scale=None, block_q=64, block_k=64)``;
+    ``q``, ``k``, ``v`` 4-D ``(B, H, N, D)`` or 3-D ``(B, N, D)`` for one head. Returns ``(o, lse)``.
+    """)
