@@ -351,6 +351,7 @@ class ZeRO(nn.Module):
         """Hook: ``p.grad`` is complete. Add it into the unit's flat gradient, free it, and once the
         whole unit is in, reduce-scatter it (stages 2-3)."""
         unit, i = self._where[p]
+        self._attach_grad(unit)
         if unit.full_grad is None:
             unit.full_grad = torch.zeros(unit.padded, dtype=torch.float32, device=unit.full.device)
         with torch.no_grad():
@@ -360,6 +361,19 @@ class ZeRO(nn.Module):
         unit.ready += 1
         if unit.ready == len(unit.params):
             self._unit_done(unit)
+
+    def _attach_grad(self, unit: FlatUnit) -> None:
+        """Give the shard its gradient back if it has none: the wrapped optimizer's
+        ``zero_grad(set_to_none=True)`` sets ``shard.grad = None``, which means zero. Stages 0-1:
+        the shard's gradient is its slice of the flat gradient (zeroed with it); stages 2-3: a
+        zero tensor that the reduce-scatter adds into."""
+        if unit.shard.grad is not None:
+            return
+        if self.stage <= 1:
+            unit.full_grad.zero_()
+            unit.shard.grad = unit.full_grad[unit.owned]
+        else:
+            unit.shard.grad = torch.zeros_like(unit.shard)
 
     def _unit_done(self, unit: FlatUnit) -> None:
         unit.ready = 0
@@ -384,6 +398,7 @@ class ZeRO(nn.Module):
         if self._reduced:
             return
         for unit in self.units:                     # units some of whose parameters got no gradient
+            self._attach_grad(unit)
             if unit.ready:
                 self._unit_done(unit)
             if self.stage == 3:
@@ -410,6 +425,7 @@ class ZeRO(nn.Module):
     def zero_grad(self) -> None:
         """Clear the gradients (the flat ones and the shards') and start a new peak measurement."""
         for unit in self.units:
+            self._attach_grad(unit)                 # a gradient set to None counts as zero
             if self.stage <= 1:
                 unit.full_grad.zero_()
             else:

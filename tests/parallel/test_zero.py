@@ -196,3 +196,36 @@ def test_zero_refuses_bad_input():
         Z.ZeRO(_model(), 1, units=[torch.nn.Linear(2, 2)])
     with pytest.raises(RuntimeError, match="needs a process group"):
         Z.ZeRO(_model(), 1)
+
+
+def _zeroing_styles(rank, world):
+    """Parameters after STEPS steps, per stage and per way of clearing gradients between steps."""
+    styles = {
+        "zero.zero_grad()": lambda zero: zero.zero_grad(),
+        # PyTorch's idiom on the wrapped optimizer: the shards' gradients become None (= zero)
+        "optimizer.zero_grad(set_to_none=True)": lambda zero: zero.optimizer.zero_grad(set_to_none=True),
+        "both, optimizer first": lambda zero: (zero.optimizer.zero_grad(set_to_none=True), zero.zero_grad()),
+    }
+    shard = _batch().chunk(world)[rank]
+    out = {}
+    for stage in Z.STAGES:
+        for style, clear in styles.items():
+            model = _model()
+            zero = Z.ZeRO(model, stage, lr=LR)
+            for _ in range(STEPS):
+                clear(zero)
+                next_token_loss(zero, shard).backward()
+                zero.step()
+            zero.reduce_gradients()
+            out[(stage, style)] = torch.cat([u.shard.detach().reshape(-1).clone() for u in zero.units])
+    return out
+
+
+def test_a_gradient_set_to_none_counts_as_zero():
+    results = launch(_zeroing_styles, 2)
+    for out in results:
+        for stage in Z.STAGES:
+            want = out[(stage, "zero.zero_grad()")]
+            for style in ("optimizer.zero_grad(set_to_none=True)", "both, optimizer first"):
+                # the same gradients summed in the same order: the same parameters, bit for bit
+                assert torch.equal(out[(stage, style)], want), f"stage {stage}, {style}"
