@@ -186,13 +186,15 @@ def test_a_record_that_disagrees_with_the_compiler_fails_the_check(tmp_path, mon
                for p in report["problems"]), report["problems"]
 
 
-def test_the_record_belongs_to_the_triton_installed():
+def test_the_record_covers_every_target_and_warns_on_another_triton():
     import triton
 
     data = json.loads(RECORD.read_text())
-    assert data["triton"] == triton.__version__, (
-        f"{RECORD.name} was written with Triton {data['triton']}, this is {triton.__version__}: every kernel "
-        "compiles in full until `make gpu-compile-record` writes it again")
+    # Another Triton (pyproject allows a range) is not an error: the record's hashes simply do not
+    # match and every kernel compiles in full, which is correct but slow. Say so, do not fail.
+    if data["triton"] != triton.__version__:
+        warnings.warn(f"{RECORD.name} was written with Triton {data['triton']}, this is {triton.__version__}: "
+                      "every kernel compiles in full until `make gpu-compile-record` writes it again")
     assert {e["target"] for e in data["entries"].values()} == set(TARGETS)
 
 
