@@ -8,7 +8,9 @@
   Blelloch, differentiable) and
   ``selective_state_step`` (one step, for decoding with constant memory).
 - :mod:`llmu.mamba.kernels`: ``selective_scan_triton``, the chunked Triton scan that keeps the
-  state in registers (forward only).
+  state in registers, and its backward in Triton (``SelectiveScanFunction``: the forward stores one
+  state per chunk, the backward recomputes the chunk's states from it and scans the gradient
+  backwards in time).
 - :mod:`llmu.mamba.block`: ``MambaBlock`` (in_proj, causal conv, selective SSM, gate, out_proj;
   ``forward``, ``step``, ``allocate_state``; ``selective=False`` fixes Δ, B and C, the
   time-invariant ablation) and ``MambaLM``, a tiny language model for CPU training.

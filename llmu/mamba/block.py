@@ -46,8 +46,8 @@ from llmu.models.llama import RMSNorm
 
 __all__ = ["MambaBlock", "MambaLM", "RMSNorm", "IMPLS"]
 
-#: The scans ``MambaBlock.forward`` can use: the differentiable torch ones and the Triton kernel
-#: (forward only, so under ``torch.no_grad()``; in Triton's interpreter on a CPU, slow).
+#: The scans ``MambaBlock.forward`` can use: the torch ones and the Triton kernel, all differentiable
+#: (the kernel's backward is a Triton kernel too; in Triton's interpreter on a CPU, slow).
 IMPLS = ("parallel", "sequential", "triton")
 
 
@@ -125,8 +125,7 @@ class MambaBlock(nn.Module):
         """``hidden`` ``(B, L, H)`` -> ``(B, L, H)``; with ``return_state`` also
         ``(conv_state, ssm_state)`` after the last position, ready for :meth:`step`.
 
-        ``impl``: the scan (:data:`IMPLS`); ``"triton"`` is forward only (use it under
-        ``torch.no_grad()``: the kernel refuses inputs that require grad)."""
+        ``impl``: the scan (:data:`IMPLS`); each one trains (``"triton"`` with its Triton backward)."""
         if hidden.ndim != 3 or hidden.shape[-1] != self.d_model:
             raise ValueError(f"hidden must have shape (B, L, {self.d_model}), got {tuple(hidden.shape)}")
         scan = _scan(impl)

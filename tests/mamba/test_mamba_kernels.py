@@ -30,9 +30,11 @@ from llmu.mamba import reference as R
 pytestmark = pytest.mark.kernels
 
 FORMS = ("ti", "var", "grp")
-TOL = dict(rtol=1e-5, atol=1e-5)
-OPTIONS = [dict(D=True, z=True, bias=True, softplus=True), dict(D=False, z=False, bias=False, softplus=False),
-           dict(D=True, z=False, bias=True, softplus=False), dict(D=False, z=True, bias=False, softplus=True)]
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+OPTIONS = [{"D": True, "z": True, "bias": True, "softplus": True},
+           {"D": False, "z": False, "bias": False, "softplus": False},
+           {"D": True, "z": False, "bias": True, "softplus": False},
+           {"D": False, "z": True, "bias": False, "softplus": True}]
 
 
 def check(case, **kw):
@@ -117,10 +119,10 @@ def test_half_precision_inputs(make_case, kdev, dtype):
 
 def test_bad_shapes_raise_naming_the_argument(make_case, kdev):
     case = make_case(2, 6, 9, 4, "var", device=kdev)
-    for name, bad in [("u", dict(u=case["u"][0])), ("delta", dict(delta=case["delta"][:1])),
-                      ("A", dict(A=case["A"][:, None])), ("B", dict(B=case["B"][:1])),
-                      ("C", dict(C=case["C"][..., :3])), ("D", dict(D=case["D"][:2])),
-                      ("z", dict(z=case["z"][..., :3])), ("delta_bias", dict(delta_bias=case["D"][None]))]:
+    for name, bad in [("u", {"u": case["u"][0]}), ("delta", {"delta": case["delta"][:1]}),
+                      ("A", {"A": case["A"][:, None]}), ("B", {"B": case["B"][:1]}),
+                      ("C", {"C": case["C"][..., :3]}), ("D", {"D": case["D"][:2]}),
+                      ("z", {"z": case["z"][..., :3]}), ("delta_bias", {"delta_bias": case["D"][None]})]:
         with pytest.raises(ValueError, match=rf"^{name} "):
             K.selective_scan_triton(**dict(case, **bad))
 
@@ -141,11 +143,14 @@ def test_bad_types_devices_and_tiles(make_case, kdev, off_device):
         K.selective_scan_triton(**dict(case, delta_softplus=1))
 
 
-def test_inputs_that_require_grad_are_refused(make_case, kdev):
-    """The kernel is forward only: its output would silently leave the autograd graph."""
+def test_inputs_that_require_grad_join_the_graph(make_case, kdev):
+    """An input that requires grad gives an output in the autograd graph (the backward is tested in
+    test_scan_backward.py); under ``torch.no_grad()`` the plain launch, with the same output."""
     case = make_case(1, 2, 5, 2, "var", device=kdev)
     case["B"] = case["B"].clone().requires_grad_(True)
-    with pytest.raises(ValueError, match="^B requires grad, but selective_scan_triton is forward only"):
-        K.selective_scan_triton(**case)
+    out = K.selective_scan_triton(**case)
+    assert out.requires_grad and out.grad_fn is not None
     with torch.no_grad():
-        check(case)
+        got = check(case)
+    assert got.grad_fn is None
+    torch.testing.assert_close(out.detach(), got, rtol=0, atol=0)
