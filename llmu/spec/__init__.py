@@ -5,7 +5,8 @@
 - ``kernels``: the same accept/reject step as one Triton kernel (``accept_reject``,
   ``speculative_sample``): one program per sequence walks the proposals, then samples the token
   after the accepted prefix by inverse CDF over the vocabulary in tiles — one launch, no host
-  synchronisation inside the step.
+  synchronisation inside the step. Both take what a serving engine passes: ragged batches
+  (``draft_lens``, a number of proposals per sequence, 0 included) and its own ``bonus_token``.
 - ``drafts``: what proposes: :class:`~llmu.spec.drafts.EarlyExitDraft` (the target's first ``k``
   blocks and its head, self-speculative) and :class:`~llmu.spec.drafts.NGramDraft` (prompt lookup);
   ``rewind`` crops a KV cache back to the prefix a new context shares with it;
