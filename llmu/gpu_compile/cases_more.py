@@ -141,17 +141,26 @@ def _mamba() -> list[Case]:
     from llmu.mamba import kernels as k
 
     def scan(dt, batch=2, dim=6, L=10, N=16, bc="shared", D=False, z=False, bias=False, softplus=False,
-             last=False, **tiles):
+             last=False, grad=False, **tiles):
         u, delta = rand(batch, dim, L, dtype=dt), rand(batch, dim, L, dtype=dt, seed=1)
         A = -torch.rand(dim, N)                                    # float32, as Mamba keeps A
         shapes = {"shared": (batch, N, L), "constant": (dim, N), "grouped": (batch, 2, N, L)}[bc]
         B, C = rand(*shapes, dtype=dt, seed=2), rand(*shapes, dtype=dt, seed=3)
-        with torch.no_grad():
-            return k.selective_scan_triton(
-                u, delta, A, B, C,
-                D=torch.ones(dim) if D else None, z=rand(batch, dim, L, dtype=dt, seed=4) if z else None,
-                delta_bias=torch.zeros(dim, dtype=dt) if bias else None, delta_softplus=softplus,
-                return_last_state=last, **tiles)
+        Dv = torch.ones(dim) if D else None
+        zv = rand(batch, dim, L, dtype=dt, seed=4) if z else None
+        bv = torch.zeros(dim, dtype=dt) if bias else None
+        if grad:
+            # every input requires grad: the forward also stores its checkpoints, then the backward kernel
+            u, delta, A, B, C = _grad(u, delta, A, B, C)
+            Dv, zv, bv = (t if t is None else t.detach().requires_grad_(True) for t in (Dv, zv, bv))
+        with torch.set_grad_enabled(grad):
+            result = k.selective_scan_triton(u, delta, A, B, C, D=Dv, z=zv, delta_bias=bv, delta_softplus=softplus,
+                                             return_last_state=last, **tiles)
+        if grad:
+            out, state = result if last else (result, None)
+            loss = out.float().sum() + (state.sum() if last else 0)   # with the last state: HAS_DLAST
+            loss.backward()
+        return result
 
     return [
         # every switch off; L = 10: one chunk of 16, BLOCK_D = 8 (N = 16)
@@ -167,6 +176,19 @@ def _mamba() -> list[Case]:
         # explicit tiles (chunk 32, block_d 4), Mamba-like N = 16, D = 64
         Case("mamba.scan explicit tiles", lambda dt: scan(dt, dim=64, L=70, D=True, z=True, softplus=True,
                                                          chunk=32, block_d=4)),
+        # forward with checkpoints + backward kernel. Mamba's call: D, z, bias, softplus, B/C shared
+        # (B, N, L), added up with atomics; L = 100: two chunks of 64, the last ragged
+        Case("mamba.scan backward: D z bias softplus, shared B/C", lambda dt: scan(dt, L=100, D=True, z=True,
+                                                                                  bias=True, softplus=True,
+                                                                                  grad=True)),
+        # time-invariant B/C (B_CONST, C_CONST: summed in registers) and the last state's gradient
+        # (HAS_DLAST); no D, z, bias; softplus
+        Case("mamba.scan backward: time-invariant B/C, last state", lambda dt: scan(dt, L=70, bc="constant",
+                                                                                   softplus=True, last=True,
+                                                                                   grad=True)),
+        # grouped B/C (B, G, N, L), N = 10 padded to 16, z and bias without softplus
+        Case("mamba.scan backward: grouped B/C, N=10", lambda dt: scan(dt, L=40, N=10, bc="grouped", z=True,
+                                                                      bias=True, grad=True)),
     ]
 
 
@@ -247,6 +269,14 @@ def _spec() -> list[Case]:
         p, q, draft = probs(dt, 2, 3, v)
         return k.speculative_sample(p, q, draft, generator=torch.Generator().manual_seed(0))
 
+    def ragged(dt, v, lens=None, bonus=None, gamma=4, **kw):
+        # a ragged batch (draft_lens: one sequence with no proposal, one with all γ) and/or the
+        # engine's own bonus tokens: the HAS_LENS / HAS_BONUS specialisations of the kernel
+        p, q, draft = probs(dt, 3, gamma, v)
+        g = torch.Generator().manual_seed(0)
+        u, r = torch.rand(3, gamma, generator=g), torch.rand(3, generator=g)
+        return k.accept_reject(p, q, draft, u, r, draft_lens=lens, bonus_token=bonus, **kw)
+
     return [
         # V = 100: BLOCK_V = 128, 4 warps, one tile
         Case("spec.accept_reject V=100 (BLOCK_V 128, 4 warps)", lambda dt: accept(dt, 100)),
@@ -254,6 +284,15 @@ def _spec() -> list[Case]:
         Case("spec.accept_reject V=5000 (BLOCK_V 4096, 8 warps)", lambda dt: accept(dt, 5000, I32)),
         # block_v given: 16-wide tiles, several of them
         Case("spec.accept_reject block_v=16", lambda dt: accept(dt, 100, block_v=16)),
+        Case("spec.accept_reject ragged draft_lens (int64), V=100",
+             lambda dt: ragged(dt, 100, lens=torch.tensor([0, 4, 2]))),
+        Case("spec.accept_reject bonus_token (int32), V=5000",
+             lambda dt: ragged(dt, 5000, bonus=torch.tensor([1, 2, 3], dtype=I32))),
+        Case("spec.accept_reject draft_lens (int32) + bonus_token (int64), block_v=16",
+             lambda dt: ragged(dt, 100, lens=torch.tensor([3, 0, 4], dtype=I32), bonus=torch.tensor([7, 8, 9]),
+                               block_v=16)),
+        Case("spec.accept_reject no proposals (gamma 0, draft_lens zeros)",
+             lambda dt: ragged(dt, 100, lens=torch.zeros(3, dtype=I64), gamma=0)),
         Case("spec.speculative_sample V=300", lambda dt: sample(dt, 300)),
         Case("spec.speculative_sample V=49152 (SmolLM2)", lambda dt: sample(dt, 49152)),
     ]
