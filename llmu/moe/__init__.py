@@ -5,14 +5,18 @@
   * T * k / E)``, ``expert_positions``, ``dispatch_mask``: drops in token order), the auxiliary
   losses (``load_balancing_loss``, Switch Transformer's, generalised to top-k; ``router_z_loss``,
   ST-MoE's), ``route`` (the router half of a layer, returning a ``MoEAux``) and ``moe_reference``
-  (the loop over experts).
+  (the loop over experts). The layer functions take the router as its weight ``(E, H)`` or as
+  precomputed ``router_logits=``, and the experts' gate and up projections as two ``(E, F, H)``
+  weights or one fused ``w_gate_up=`` ``(E, 2F, H)`` (gate rows first: transformers' Mixtral and
+  Qwen-MoE ``gate_up_proj``; ``split_gate_up`` gives the halves as views).
 - ``kernels``: the GPU layout of the same layer in Triton: ``permute`` (a counting sort of the
   token copies by expert, rows gathered by a kernel), ``grouped_gemm`` (every expert's matmul in
   one launch over ragged groups; ``grouped_gemm_dw`` its weight gradient), ``unpermute`` (the
   gate-weighted combine), and ``moe_triton`` (permute -> grouped GEMM gate/up -> SwiGLU ->
   grouped GEMM down -> unpermute), forward and backward.
 - ``layer``: ``MoEFeedForward``, the ``nn.Module`` the notebook trains: a router and the experts'
-  weights, run by ``moe_reference`` or ``moe_triton`` (``impl``), differentiable on both paths.
+  weights (``fused_gate_up=True``: one ``w_gate_up``), run by ``moe_reference`` or ``moe_triton``
+  (``impl``), differentiable on both paths.
 - ``params``: total and active parameters and FLOPs per token of dense and MoE decoders
   (``count_parameters``, ``flops_per_token``, ``with_experts``; Mixtral-8x7B's 46.7B / 12.9B).
 - ``train``: a small byte-level MoE language model trained on CPU, recording every expert's load

@@ -309,14 +309,14 @@ class ExpertParallelMoE(nn.Module):
         if moe.capacity_factor is not None:
             raise ValueError(f"moe.capacity_factor must be None: the expert-parallel layer drops nothing, "
                              f"got capacity_factor={moe.capacity_factor!r}")
-        ref = moe.w_gate
+        w_gate, w_up = moe.gate_up()       # views of w_gate_up when the layer holds them fused
         layer = cls(moe.hidden, moe.intermediate, moe.num_experts, moe.k, moe.renormalize, impl=impl, group=group,
-                    dtype=ref.dtype, device=ref.device)
+                    dtype=w_gate.dtype, device=w_gate.device)
         mine = slice(layer.first_expert, layer.first_expert + layer.num_local_experts)
         with torch.no_grad():
             layer.router.weight.copy_(moe.router.weight)
-            for name in ("w_gate", "w_up", "w_down"):
-                getattr(layer, name).copy_(getattr(moe, name)[mine])
+            for name, full in (("w_gate", w_gate), ("w_up", w_up), ("w_down", moe.w_down)):
+                getattr(layer, name).copy_(full[mine])
         return layer
 
     def resolved_impl(self, x: torch.Tensor) -> str:

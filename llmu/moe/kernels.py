@@ -26,6 +26,8 @@ Weight layout: ``w`` is ``(E, N, K)``, ``nn.Linear``'s ``(out, in)`` per expert,
 ``w_gate``/``w_up`` ``(E, F, H)`` and ``w_down`` ``(E, H, F)`` of the reference go in as they are,
 and the kernel computes ``x @ w[e]^T``. The kernel reads ``w`` through its three strides, so a
 transposed view (``w.transpose(1, 2)``, ``(E, K, N)`` memory read as ``(E, N, K)``) also works.
+A fused ``w_gate_up`` ``(E, 2F, H)`` (gate rows, then up rows) is one ``(E, N = 2F, K = H)`` weight:
+one launch computes both projections, ``[gate | up]`` side by side in each row of the output.
 
 The napkin math
 ---------------
@@ -550,7 +552,11 @@ def grouped_gemm_dw(dy: torch.Tensor, x_sorted: torch.Tensor, offsets: torch.Ten
 # ----------------------------------------------------------------------------------------------
 
 
-def moe_triton(x, router_weight, w_gate, w_up, w_down, k: int, *, renormalize: bool = True,
+_BLOCK_KEYWORDS = ("block_m", "block_n", "block_k")
+
+
+def moe_triton(x, router_weight=None, w_gate=None, w_up=None, w_down=None, k: int | None = None, *,
+               router_logits=None, w_gate_up=None, renormalize: bool = True,
                capacity_factor: float | None = None, **blocks):
     """The MoE feed-forward on the kernels above: ``(y, aux)``, as :func:`reference.moe_reference`.
 
@@ -561,28 +567,48 @@ def moe_triton(x, router_weight, w_gate, w_up, w_down, k: int, *, renormalize: b
         h = silu(grouped_gemm(x_sorted, w_gate, offsets)) * grouped_gemm(x_sorted, w_up, offsets)
         y = unpermute(grouped_gemm(h, w_down, offsets), order, weights, T)
 
+    Arguments as :func:`reference.moe_reference`: ``router_logits=`` ``(..., E)`` instead of
+    ``router_weight`` (the router's matmul is then skipped; the gradient reaches the logits), and
+    ``w_gate_up=`` ``(E, 2F, H)`` (gate rows first, then up rows) instead of ``w_gate`` and
+    ``w_up``. The fused weight is **one** grouped GEMM of width ``2F``; its output's two column
+    halves go to the SwiGLU kernel as strided views (no copy), and its backward is one ``dX`` and
+    one ``dW`` launch for both projections. Float tensors must be float32/float16/bfloat16, and
+    ``x`` and the expert weights one dtype (the router's may differ).
+
     ``blocks``: ``block_m``/``block_n``/``block_k`` passed to every :func:`grouped_gemm`.
     Differentiable in ``x``, the expert weights and (through the gate weights and the losses in
     ``aux``) the router, every step by its own autograd function.
     """
     from llmu.layers.swiglu import swiglu_fused
 
-    num_experts, _, _ = reference.check_moe_inputs(x, router_weight, w_gate, w_up, w_down, k)
-    for name, t in (("x", x), ("router_weight", router_weight), ("w_gate", w_gate), ("w_up", w_up),
-                    ("w_down", w_down)):
+    unknown = sorted(set(blocks) - set(_BLOCK_KEYWORDS))
+    if unknown:
+        raise TypeError(f"moe_triton got unexpected keyword argument(s) {', '.join(unknown)}; "
+                        f"tile sizes are {', '.join(_BLOCK_KEYWORDS)}")
+    num_experts, _, ffn = reference.check_moe_inputs(x, router_weight, w_gate, w_up, w_down, k,
+                                                     router_logits=router_logits, w_gate_up=w_gate_up)
+    given = {name: t for name, t in (("x", x), ("router_weight", router_weight), ("router_logits", router_logits),
+                                     ("w_gate", w_gate), ("w_up", w_up), ("w_gate_up", w_gate_up),
+                                     ("w_down", w_down)) if t is not None}
+    for name, t in given.items():
         require_tensor(name, t, dtypes=FLOAT_DTYPES)
-    require_same_dtype(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down)
+    require_same_dtype(**{name: t for name, t in given.items() if name not in ("router_weight", "router_logits")})
     _refuse_interpreted_bf16("x", x)
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[-1] > 1 and x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    aux = reference.route(x2, router_weight, k, renormalize=renormalize, capacity_factor=capacity_factor)
+    aux = reference.route(x2, router_weight, k, router_logits=router_logits, renormalize=renormalize,
+                          capacity_factor=capacity_factor)
     experts = torch.where(aux.dropped, -1, aux.experts)
     # Step 1: one copy of each kept (token, choice) row, grouped by expert
     x_sorted, order, _, offsets = permute(x2, experts, num_experts)
-    # Step 2: the experts' gate and up projections, every expert in one launch each
-    gate = grouped_gemm(x_sorted, w_gate, offsets, **blocks)
-    up = grouped_gemm(x_sorted, w_up, offsets, **blocks)
+    # Step 2: the experts' gate and up projections, every expert in one launch each (or one for both)
+    if w_gate_up is not None:
+        gate_up = grouped_gemm(x_sorted, w_gate_up, offsets, **blocks)      # (M, 2F): [gate | up]
+        gate, up = gate_up[:, :ffn], gate_up[:, ffn:]
+    else:
+        gate = grouped_gemm(x_sorted, w_gate, offsets, **blocks)
+        up = grouped_gemm(x_sorted, w_up, offsets, **blocks)
     # Step 3: SwiGLU, elementwise (module 03's fused kernel)
     h = swiglu_fused(gate, up)
     # Step 4: down projection, then the gate-weighted sum of each token's k rows

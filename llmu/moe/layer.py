@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from llmu import runtime
 from llmu.checks import require_positive
-from llmu.moe.reference import MoEAux, expert_capacity, moe_reference
+from llmu.moe.reference import MoEAux, expert_capacity, moe_reference, split_gate_up
 
 __all__ = ["MoEFeedForward", "IMPLS"]
 
@@ -36,6 +36,12 @@ class MoEFeedForward(nn.Module):
     shape and keeps the routing decisions and losses in ``self.last_aux`` (a :class:`MoEAux`;
     add ``last_aux.lb_loss`` and ``last_aux.z_loss`` to the training loss).
 
+    ``fused_gate_up=True`` holds one ``w_gate_up`` ``(E, 2F, H)`` (gate rows, then up rows) in
+    place of ``w_gate`` and ``w_up``: the layout of ``experts.gate_up_proj`` in transformers'
+    Mixtral and Qwen-MoE models (with ``experts.down_proj`` as ``w_down`` and ``gate.weight`` as
+    ``router.weight``), and on the Triton path one grouped GEMM for both projections.
+    :meth:`gate_up` gives ``(w_gate, w_up)`` in either layout (views of ``w_gate_up`` when fused).
+
     ``impl``: ``"torch"`` (:func:`moe_reference`), ``"triton"`` (``llmu.moe.kernels.moe_triton``:
     permute, grouped GEMMs, unpermute), or ``None``: Triton when kernels are compiled on a GPU and
     the input is there, torch otherwise (on CPU the interpreter runs every program in numpy: slow).
@@ -43,7 +49,8 @@ class MoEFeedForward(nn.Module):
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, k: int, renormalize: bool = True,
-                 capacity_factor: float | None = None, impl: str | None = None, dtype=None, device=None):
+                 capacity_factor: float | None = None, impl: str | None = None, dtype=None, device=None,
+                 fused_gate_up: bool = False):
         super().__init__()
         require_positive("hidden", hidden, integer=True)
         require_positive("intermediate", intermediate, integer=True)
@@ -54,21 +61,34 @@ class MoEFeedForward(nn.Module):
             raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
         if capacity_factor is not None:
             expert_capacity(1, num_experts, k, capacity_factor)  # refuse a factor that gives no slot now
+        if not isinstance(fused_gate_up, bool):
+            raise TypeError(f"fused_gate_up must be a bool, got {fused_gate_up!r}")
         kw = dict(dtype=dtype, device=device)
         self.hidden, self.intermediate, self.num_experts, self.k = hidden, intermediate, num_experts, k
         self.renormalize, self.capacity_factor, self.impl = renormalize, capacity_factor, impl
+        self.fused_gate_up = fused_gate_up
         self.router = nn.Linear(hidden, num_experts, bias=False, **kw)
-        self.w_gate = nn.Parameter(torch.empty(num_experts, intermediate, hidden, **kw))
-        self.w_up = nn.Parameter(torch.empty(num_experts, intermediate, hidden, **kw))
+        if fused_gate_up:
+            self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, **kw))
+        else:
+            self.w_gate = nn.Parameter(torch.empty(num_experts, intermediate, hidden, **kw))
+            self.w_up = nn.Parameter(torch.empty(num_experts, intermediate, hidden, **kw))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, intermediate, **kw))
         self.last_aux: MoEAux | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         self.router.reset_parameters()
-        for w in (self.w_gate, self.w_up, self.w_down):
-            bound = 1.0 / math.sqrt(w.shape[-1])
-            nn.init.uniform_(w, -bound, bound)
+        with torch.no_grad():
+            for w in (*self.gate_up(), self.w_down):     # a fused weight: each half in turn
+                bound = 1.0 / math.sqrt(w.shape[-1])
+                nn.init.uniform_(w, -bound, bound)
+
+    def gate_up(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w_gate, w_up)``, each ``(E, F, H)``: the parameters, or views of ``w_gate_up`` when fused."""
+        if self.fused_gate_up:
+            return split_gate_up(self.w_gate_up)
+        return self.w_gate, self.w_up
 
     def resolved_impl(self, x: torch.Tensor) -> str:
         """The path ``forward(x)`` takes (see ``impl`` in the class docstring)."""
@@ -77,8 +97,13 @@ class MoEFeedForward(nn.Module):
         return "triton" if (not runtime.interpreting() and x.is_cuda) else "torch"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        args = (x, self.router.weight, self.w_gate, self.w_up, self.w_down, self.k)
-        kw = dict(renormalize=self.renormalize, capacity_factor=self.capacity_factor)
+        if self.fused_gate_up:
+            args = (x, self.router.weight, None, None, self.w_down, self.k)
+            kw = {"w_gate_up": self.w_gate_up}
+        else:
+            args = (x, self.router.weight, self.w_gate, self.w_up, self.w_down, self.k)
+            kw = {}
+        kw.update(renormalize=self.renormalize, capacity_factor=self.capacity_factor)
         if self.resolved_impl(x) == "triton":
             from llmu.moe.kernels import moe_triton  # here, so the torch path never imports Triton
 
@@ -90,4 +115,5 @@ class MoEFeedForward(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, intermediate={self.intermediate}, num_experts={self.num_experts}, "
-                f"k={self.k}, renormalize={self.renormalize}, capacity_factor={self.capacity_factor}, impl={self.impl}")
+                f"k={self.k}, renormalize={self.renormalize}, capacity_factor={self.capacity_factor}, impl={self.impl}"
+                + (", fused_gate_up=True" if self.fused_gate_up else ""))

@@ -30,6 +30,29 @@ weighted outputs. ``llmu.moe.layer.MoEFeedForward`` wraps it (or the Triton path
 Weight layout: ``nn.Linear``'s ``(out, in)`` per expert, stacked along a leading expert axis:
 ``w_gate``, ``w_up`` are ``(E, F, H)`` and ``w_down`` is ``(E, H, F)``, so ``w_gate[e]`` is exactly
 what ``llmu.layers.reference.swiglu`` takes as ``w_gate``.
+
+What the layer functions accept (:func:`moe_reference`, ``kernels.moe_triton``,
+:func:`check_moe_inputs`; :func:`route` for the router):
+
+- the router as its weight ``router_weight`` ``(E, H)`` (the logits are then ``x @ router_weight^T``,
+  computed in float32), **or** as logits already computed, ``router_logits=`` ``(..., E)`` with
+  ``x``'s leading shape (or flattened, ``(T, E)``), any floating dtype (softmax and top-k run in
+  float32 at least). Exactly one of the two. The logits are used as given, so the gradient of the
+  gate weights and of the losses flows into them (and from there into whatever computed them);
+- the experts' gate and up projections as ``w_gate`` and ``w_up`` ``(E, F, H)``, **or** as one fused
+  ``w_gate_up=`` ``(E, 2F, H)``: for each expert the ``F`` gate rows first, then the ``F`` up rows,
+  i.e. ``w_gate_up = torch.cat([w_gate, w_up], dim=1)`` (:func:`split_gate_up` gives the two halves
+  back as views). This is the layout of ``gate_up_proj`` in transformers' (5.x) Mixtral and
+  Qwen2-MoE/Qwen3-MoE experts, which also stack ``down_proj`` as ``(E, H, F)`` and call the router
+  ``gate.weight`` ``(E, H)``: those three tensors go in as they are. GPT-OSS differs: its
+  ``gate_up_proj`` is ``(E, H, 2F)`` (``x @ W``, no transpose) with gate and up *interleaved* along
+  the last axis (gate in the even columns, up in the odd ones), its ``down_proj`` is ``(E, F, H)``,
+  and its experts add biases and use a clamped activation other than SwiGLU; its weights would need
+  ``torch.cat([W[..., ::2], W[..., 1::2]], dim=-1).transpose(1, 2)`` (and ``down_proj.transpose(1, 2)``)
+  and would still not compute GPT-OSS's function.
+
+Positional calls keep their meaning: ``moe_reference(x, router_weight, w_gate, w_up, w_down, k)``.
+The alternatives are keywords, e.g. ``moe_reference(x, router_logits=lg, w_gate_up=wgu, w_down=wd, k=2)``.
 """
 
 from __future__ import annotations
@@ -46,6 +69,7 @@ from llmu.layers.reference import swiglu
 __all__ = [
     "router_probs", "top_k_route", "expert_capacity", "expert_positions", "dispatch_mask",
     "load_balancing_loss", "router_z_loss", "MoEAux", "route", "moe_reference", "check_moe_inputs",
+    "split_gate_up",
 ]
 
 
@@ -229,36 +253,116 @@ class MoEAux:
         return int(self.dropped.sum())
 
 
-def check_moe_inputs(x, router_weight, w_gate, w_up, w_down, k, *, world_size: int = 1) -> tuple[int, int, int]:
-    """Shapes of an MoE call; returns ``(E, H, F)`` or raises ``ValueError`` naming the argument.
+def split_gate_up(w_gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w_gate, w_up)``, each ``(E, F, H)``: the two halves of a fused ``w_gate_up`` ``(E, 2F, H)``.
 
-    ``router_weight`` is the full ``(E, H)`` router. With ``world_size`` ``W > 1`` (expert
-    parallelism, ``llmu.moe.expert_parallel``) the expert weights are one rank's slice of
-    ``E / W`` experts; otherwise all ``E``.
+    Rows ``[0, F)`` of each expert are its gate projection, rows ``[F, 2F)`` its up projection
+    (``w_gate_up == torch.cat([w_gate, w_up], dim=1)``). Views, no copy: a gradient through them
+    lands in ``w_gate_up``. Raises ``ValueError`` naming ``w_gate_up`` for a shape that is not
+    ``(E, 2F, H)`` with an even ``2F``.
     """
+    if not isinstance(w_gate_up, torch.Tensor):
+        raise TypeError(f"w_gate_up must be a torch.Tensor, got {type(w_gate_up).__name__}")
+    if w_gate_up.ndim != 3:
+        raise ValueError(f"w_gate_up must be (E, 2F, H), got shape {tuple(w_gate_up.shape)}")
+    if w_gate_up.shape[1] % 2:
+        raise ValueError(f"w_gate_up must have an even number of rows per expert (F gate rows, then F up rows), "
+                         f"got 2F={w_gate_up.shape[1]} in shape {tuple(w_gate_up.shape)}")
+    ffn = w_gate_up.shape[1] // 2
+    return w_gate_up[:, :ffn], w_gate_up[:, ffn:]
+
+
+def _check_router_logits(router_logits, x: torch.Tensor) -> int:
+    """Check ``router_logits`` against ``x`` ``(..., H)``; return ``E``."""
+    if not isinstance(router_logits, torch.Tensor):
+        raise TypeError(f"router_logits must be a torch.Tensor, got {type(router_logits).__name__}")
+    if not router_logits.is_floating_point():
+        raise TypeError(f"router_logits must have a floating-point dtype, got {router_logits.dtype}")
+    lead = tuple(x.shape[:-1])
+    num_tokens = math.prod(lead)
+    shape = tuple(router_logits.shape)
+    if router_logits.ndim < 1 or not (shape[:-1] == lead or (router_logits.ndim == 2 and shape[0] == num_tokens)):
+        raise ValueError(f"router_logits must be (..., E) with x's leading shape {lead} (or flattened, "
+                         f"(T={num_tokens}, E)), got shape {shape}")
+    if shape[-1] < 1:
+        raise ValueError("router_logits must have at least one expert (its last dimension is 0)")
+    if router_logits.device != x.device:
+        raise ValueError(f"router_logits is on {router_logits.device} but x is on {x.device}; they must match")
+    return shape[-1]
+
+
+def _exactly_one_router(router_weight, router_logits) -> None:
+    if router_weight is None and router_logits is None:
+        raise TypeError("the router is missing: pass router_weight (E, H) or router_logits (..., E)")
+    if router_weight is not None and router_logits is not None:
+        raise TypeError("router_weight and router_logits exclude each other (the logits are x @ router_weight^T): "
+                        "pass one of them, not both")
+
+
+def check_moe_inputs(x, router_weight=None, w_gate=None, w_up=None, w_down=None, k=None, *, world_size: int = 1,
+                     router_logits=None, w_gate_up=None) -> tuple[int, int, int]:
+    """Shapes of an MoE call; returns ``(E, H, F)`` or raises naming the argument.
+
+    The router is ``router_weight`` ``(E, H)`` or ``router_logits`` ``(..., E)`` (``x``'s leading
+    shape, or ``(T, E)``; floating point; on ``x``'s device): exactly one of them. The gate and up
+    projections are ``w_gate`` and ``w_up`` ``(E, F, H)``, or ``w_gate_up`` ``(E, 2F, H)`` (gate
+    rows first, then up rows; same dtype as ``w_down``) instead of both. ``ValueError`` for a wrong
+    shape or value, ``TypeError`` for a wrong type or dtype and for a missing, doubled or
+    conflicting argument (as Python does for its own arguments).
+
+    The router covers all ``E`` experts. With ``world_size`` ``W > 1`` (expert parallelism,
+    ``llmu.moe.expert_parallel``) the expert weights are one rank's slice of ``E / W`` experts;
+    otherwise all ``E``.
+    """
+    _exactly_one_router(router_weight, router_logits)
+    if w_gate_up is not None and (w_gate is not None or w_up is not None):
+        given = " and ".join(n for n, t in (("w_gate", w_gate), ("w_up", w_up)) if t is not None)
+        raise TypeError(f"w_gate_up replaces w_gate and w_up: pass w_gate_up alone, or w_gate and w_up; "
+                        f"got w_gate_up and {given}")
+    if w_gate_up is None and (w_gate is None or w_up is None):
+        missing = " and ".join(n for n, t in (("w_gate", w_gate), ("w_up", w_up)) if t is None)
+        raise TypeError(f"{missing} missing: pass w_gate and w_up (E, F, H), or the fused w_gate_up (E, 2F, H)")
+    if w_down is None:
+        raise TypeError("w_down is missing: pass the experts' down projections (E, H, F)")
+    if k is None:
+        raise TypeError("k is missing: pass the number of experts per token")
     for name, t in (("x", x), ("router_weight", router_weight), ("w_gate", w_gate), ("w_up", w_up),
-                    ("w_down", w_down)):
-        if not isinstance(t, torch.Tensor):
+                    ("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if x.ndim < 1:
         raise ValueError("x must be (..., H), got a scalar")
     hidden = x.shape[-1]
-    if router_weight.ndim != 2 or router_weight.shape[1] != hidden:
-        raise ValueError(f"router_weight must be (E, H={hidden}), got shape {tuple(router_weight.shape)}")
-    num_experts = router_weight.shape[0]
-    if num_experts < 1:
-        raise ValueError("router_weight must have at least one expert (row)")
+    if router_weight is not None:
+        if router_weight.ndim != 2 or router_weight.shape[1] != hidden:
+            raise ValueError(f"router_weight must be (E, H={hidden}), got shape {tuple(router_weight.shape)}")
+        num_experts = router_weight.shape[0]
+        if num_experts < 1:
+            raise ValueError("router_weight must have at least one expert (row)")
+    else:
+        num_experts = _check_router_logits(router_logits, x)
+    router = "router_weight" if router_logits is None else "router_logits"
     require_positive("world_size", world_size, integer=True)
     if num_experts % world_size:
         raise ValueError(f"num_experts={num_experts} is not divisible by world_size={world_size}: "
-                         f"every rank must hold the same number of experts")
+                         f"every rank must hold the same number of experts (E from {router})")
     held = num_experts // world_size
     experts = f"E={held}" if world_size == 1 else f"E/W={held}"        # all, or this rank's slice
-    if w_gate.ndim != 3 or w_gate.shape[0] != held or w_gate.shape[2] != hidden:
-        raise ValueError(f"w_gate must be ({experts}, F, H={hidden}), got shape {tuple(w_gate.shape)}")
-    ffn = w_gate.shape[1]
-    if w_up.shape != w_gate.shape:
-        raise ValueError(f"w_up must have w_gate's shape {tuple(w_gate.shape)}, got {tuple(w_up.shape)}")
+    if w_gate_up is not None:
+        if w_gate_up.ndim != 3 or w_gate_up.shape[0] != held or w_gate_up.shape[2] != hidden:
+            raise ValueError(f"w_gate_up must be ({experts}, 2F, H={hidden}) (E from {router}), "
+                             f"got shape {tuple(w_gate_up.shape)}")
+        ffn = split_gate_up(w_gate_up)[0].shape[1]          # refuses an odd 2F
+        if not w_gate_up.is_floating_point():
+            raise TypeError(f"w_gate_up must have a floating-point dtype, got {w_gate_up.dtype}")
+        if w_gate_up.dtype != w_down.dtype:
+            raise TypeError(f"w_gate_up has dtype {w_gate_up.dtype} but w_down has {w_down.dtype}; they must match")
+    else:
+        if w_gate.ndim != 3 or w_gate.shape[0] != held or w_gate.shape[2] != hidden:
+            raise ValueError(f"w_gate must be ({experts}, F, H={hidden}), got shape {tuple(w_gate.shape)}")
+        ffn = w_gate.shape[1]
+        if w_up.shape != w_gate.shape:
+            raise ValueError(f"w_up must have w_gate's shape {tuple(w_gate.shape)}, got {tuple(w_up.shape)}")
     if w_down.shape != (held, hidden, ffn):
         raise ValueError(f"w_down must be ({experts}, H={hidden}, F={ffn}), got shape {tuple(w_down.shape)}")
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= num_experts:
@@ -266,16 +370,40 @@ def check_moe_inputs(x, router_weight, w_gate, w_up, w_down, k, *, world_size: i
     return num_experts, hidden, ffn
 
 
-def route(x2: torch.Tensor, router_weight: torch.Tensor, k: int, *, renormalize: bool = True,
+def route(x2: torch.Tensor | None = None, router_weight: torch.Tensor | None = None, k: int | None = None, *,
+          router_logits: torch.Tensor | None = None, renormalize: bool = True,
           capacity_factor: float | None = None, alpha: float = 0.01) -> MoEAux:
     """The router half of an MoE layer on ``x2`` ``(T, H)``: logits (float32), top-k, capacity,
-    losses. Shared by :func:`moe_reference` and the Triton path, so both take the same decisions."""
-    num_experts = router_weight.shape[0]
-    logits = _wide(x2) @ _wide(router_weight).T
+    losses. Shared by :func:`moe_reference` and the Triton path, so both take the same decisions.
+
+    The logits are ``x2 @ router_weight^T`` (``router_weight`` ``(E, H)``), or ``router_logits``
+    ``(..., E)`` as given (flattened to ``(T, E)`` and widened to float32 at least; ``x2`` may then
+    be ``None``, and otherwise must have ``T`` rows). Exactly one of ``router_weight`` and
+    ``router_logits``. Gradients reach ``router_logits`` through the gate weights and both losses.
+    """
+    _exactly_one_router(router_weight, router_logits)
+    if k is None:
+        raise TypeError("k is missing: pass the number of experts per token")
+    if router_logits is None:
+        if x2 is None:
+            raise TypeError("x2 is missing: router_weight needs the tokens x2 (T, H) to compute the logits")
+        logits = _wide(x2) @ _wide(router_weight).T
+    else:
+        if not isinstance(router_logits, torch.Tensor):
+            raise TypeError(f"router_logits must be a torch.Tensor, got {type(router_logits).__name__}")
+        if not router_logits.is_floating_point():
+            raise TypeError(f"router_logits must have a floating-point dtype, got {router_logits.dtype}")
+        if router_logits.ndim < 1:
+            raise ValueError("router_logits must be (..., E), got a scalar")
+        logits = _wide(router_logits).reshape(-1, router_logits.shape[-1])
+        if x2 is not None and logits.shape[0] != x2.shape[0]:
+            raise ValueError(f"router_logits must hold one row per token of x2 (T={x2.shape[0]}), "
+                             f"got shape {tuple(router_logits.shape)}")
+    num_experts, num_tokens = logits.shape[-1], logits.shape[0]
     weights, experts, probs = top_k_route(logits, k, renormalize=renormalize)
     capacity = None
-    if capacity_factor is not None and x2.shape[0] > 0:
-        capacity = expert_capacity(x2.shape[0], num_experts, k, capacity_factor)
+    if capacity_factor is not None and num_tokens > 0:
+        capacity = expert_capacity(num_tokens, num_experts, k, capacity_factor)
     elif capacity_factor is not None:
         expert_capacity(1, num_experts, k, capacity_factor)  # still refuse a factor that gives no slot
     kept = dispatch_mask(experts, num_experts, capacity)
@@ -288,23 +416,34 @@ def route(x2: torch.Tensor, router_weight: torch.Tensor, k: int, *, renormalize:
     )
 
 
-def moe_reference(x, router_weight, w_gate, w_up, w_down, k: int, *, renormalize: bool = True,
+def moe_reference(x, router_weight=None, w_gate=None, w_up=None, w_down=None, k: int | None = None, *,
+                  router_logits=None, w_gate_up=None, renormalize: bool = True,
                   capacity_factor: float | None = None):
     """The MoE feed-forward, one expert at a time: ``(y, aux)``.
 
     ``x``: ``(..., H)``; ``router_weight``: ``(E, H)``; ``w_gate``, ``w_up``: ``(E, F, H)``;
     ``w_down``: ``(E, H, F)``. ``y`` has ``x``'s shape and dtype; ``aux`` is a :class:`MoEAux`.
+    Instead of ``router_weight``, ``router_logits=`` ``(..., E)`` (``x``'s leading shape, or
+    ``(T, E)``); instead of ``w_gate`` and ``w_up``, ``w_gate_up=`` ``(E, 2F, H)``, gate rows
+    first (``torch.cat([w_gate, w_up], dim=1)``; the module docstring relates it to transformers'
+    ``gate_up_proj``). The fused weight is read through two views (:func:`split_gate_up`), so the
+    result is the one of the separate weights, to the bit. Arguments are checked by
+    :func:`check_moe_inputs`.
 
     For each expert ``e``: find the kept assignments ``(t, j)`` with ``experts[t, j] == e``,
     gather those rows of ``x``, run ``swiglu(x_e, w_gate[e], w_up[e], w_down[e])``, and add
     ``weights[t, j] * out`` into row ``t`` of ``y`` (accumulated in float32; float64 inputs in
     float64). A dropped assignment adds nothing; the other choice of the same token keeps its
-    weight (no re-normalisation after dropping). Differentiable in ``x``, every weight and the router.
+    weight (no re-normalisation after dropping). Differentiable in ``x``, every weight and the
+    router (``router_weight`` or ``router_logits``).
     """
-    check_moe_inputs(x, router_weight, w_gate, w_up, w_down, k)
-    num_experts = router_weight.shape[0]
+    num_experts, _, _ = check_moe_inputs(x, router_weight, w_gate, w_up, w_down, k,
+                                         router_logits=router_logits, w_gate_up=w_gate_up)
+    if w_gate_up is not None:
+        w_gate, w_up = split_gate_up(w_gate_up)
     x2 = x.reshape(-1, x.shape[-1])
-    aux = route(x2, router_weight, k, renormalize=renormalize, capacity_factor=capacity_factor)
+    aux = route(x2, router_weight, k, router_logits=router_logits, renormalize=renormalize,
+                capacity_factor=capacity_factor)
     kept = ~aux.dropped
     y = torch.zeros(x2.shape, dtype=_wide(x2).dtype, device=x.device)
     for e in range(num_experts):

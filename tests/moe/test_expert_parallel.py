@@ -117,8 +117,23 @@ def _run_case(rank, world, case):
     }
 
 
+def _fused_layer_gives_the_same_slice() -> bool:
+    """``from_moe`` of a layer holding ``w_gate_up`` fused takes the same experts as of its twin
+    holding ``w_gate`` and ``w_up`` apart (the fused weight is ``cat(w_gate, w_up)`` per expert)."""
+    torch.manual_seed(0)
+    apart = MoEFeedForward(HIDDEN, FFN, 4, 2)
+    fused = MoEFeedForward(HIDDEN, FFN, 4, 2, fused_gate_up=True)
+    with torch.no_grad():
+        fused.router.weight.copy_(apart.router.weight)
+        fused.w_gate_up.copy_(torch.cat([apart.w_gate, apart.w_up], dim=1))
+        fused.w_down.copy_(apart.w_down)
+    a, f = EP.ExpertParallelMoE.from_moe(apart), EP.ExpertParallelMoE.from_moe(fused)
+    return all(torch.equal(getattr(a, n), getattr(f, n)) for n in ("w_gate", "w_up", "w_down")) and \
+        torch.equal(a.router.weight, f.router.weight)
+
+
 def _run_all_cases(rank, world):
-    return {"rank": rank, "world": dist.get_world_size(),
+    return {"rank": rank, "world": dist.get_world_size(), "fused_same_slice": _fused_layer_gives_the_same_slice(),
             **{name: _run_case(rank, world, case) for name, case in CASES[world].items()}}
 
 
@@ -156,6 +171,7 @@ def test_expert_parallel_equals_single_process(world):
     results = launch(_run_all_cases, world)
     problems = _problems(world, results)
     assert not problems, "\n".join(problems)
+    assert all(r["fused_same_slice"] for r in results), "from_moe of a fused gate-up layer took other experts"
     # the skewed cases test what they claim: some ranks / experts really receive zero rows
     if world == 2:
         assert results[0]["k2_raw_rank1_idle"]["rows_received"] == [24, 0]
