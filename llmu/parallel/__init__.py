@@ -9,8 +9,12 @@ every process; each module below has a ``demo(rank, world_size, ...)`` for it to
   the backward; ``no_sync`` for gradient accumulation.
 - ``zero.py``: ZeRO stages 1, 2 and 3 (optimizer states, then gradients, then parameters sharded
   over the ranks, with reduce-scatter and all-gather; stage 3 gathers each layer's parameters just
-  in time and frees them after use), the per-rank memory against the ZeRO paper's formulas, and a
-  comparison with PyTorch's FSDP2 (``fully_shard``).
+  in time and frees them after use), any element-wise optimizer (SGD, Adam, AdamW, ...), mixed
+  precision (bf16/fp16 compute over float32 master weights, reductions and optimizer state), the
+  per-rank memory against the ZeRO paper's formulas, and a comparison with PyTorch's FSDP2
+  (``fully_shard``).
+- ``sharded_optimizer.py``: ``ShardedOptimizer``, ZeRO stage 1 over any list of parameters: each
+  rank keeps the optimizer state of its slice only, steps it, and all-gathers the parameters.
 - ``tensor_parallel.py``: column- and row-parallel linear layers, the Megatron MLP, attention
   (heads split, GQA-aware) and decoder layer, the conjugate identity / all-reduce operators, and
   ``count_communication`` to check two all-reduces per layer forward and two backward.

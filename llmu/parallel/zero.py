@@ -24,10 +24,22 @@ whole model, and removes the duplication in three stages. With ``N`` ranks:
 The paper's formulas are for mixed precision: fp16 weights and gradients (2 + 2 bytes) and
 ``K = 12`` bytes of optimizer state per parameter (an fp32 master copy of the weights and the two
 fp32 Adam moments), so baseline ``(2 + 2 + K)Ψ``, stage 1 ``2Ψ + 2Ψ + KΨ/N``, stage 2
-``2Ψ + (2 + K)Ψ/N``, stage 3 ``(2 + 2 + K)Ψ/N``. Here everything is float32: the weights *are* the
-master copy, so the weights cost 4 bytes, the gradients 4 and the optimizer ``K = 8`` (the two
-moments). :func:`zero_memory_formula` computes both settings; :func:`memory_table` lays them out
-for a notebook.
+``2Ψ + (2 + K)Ψ/N``, stage 3 ``(2 + 2 + K)Ψ/N``. By default everything here is float32: the
+weights *are* the master copy, so the weights cost 4 bytes, the gradients 4 and the optimizer
+``K = 8`` (the two moments). :func:`zero_memory_formula` computes both settings; :func:`memory_table`
+lays them out for a notebook.
+
+Mixed precision (``ZeRO(..., compute_dtype=torch.bfloat16)``, FSDP's ``MixedPrecision``): the
+forward and backward run in bf16 (or fp16) on a 2-byte copy of the weights, while the weights the
+optimizer updates (the **master** copy), the gradient reduction and the optimizer state stay
+float32. Per unit, a rank keeps the flat bf16 buffer the module computes with (stages 0-2: whole,
+2Ψ; stage 3: gathered for use only, from the float32 shards cast to bf16, so the all-gather moves 2
+bytes a weight) and the float32 master of its own slice (4Ψ/N; 4Ψ in stage 0). Every gradient
+arrives in bf16, is upcast to float32 as it is added into the flat gradient, and is averaged in
+float32: the paper's 2-byte gradients become 4 here, bought back by sums that do not round to 8
+bits of mantissa. After the update, stages 1-2 all-gather the new shards cast to bf16. bf16 has
+float32's exponent range and needs no loss scaling; fp16 (5 exponent bits) runs too, on CPU as on
+GPU, but its small gradients underflow without loss scaling, which this class does not do.
 
 How the sharding is laid out (the "flat parameter" of FSDP and DeepSpeed): the parameters of each
 **unit** (by default every top-level submodule, with ``ModuleList``/``Sequential`` containers
@@ -35,9 +47,19 @@ opened, e.g. the embedding, each decoder layer, the final norm, the LM head) are
 into one flat float32 buffer, padded with zeros to a multiple of ``N``; rank ``r`` owns the slice
 ``[r S, (r+1) S)`` with ``S = padded / N``. The module's parameters become views into the flat
 buffer (``p.data = flat[a:b].view(shape)``), so the model runs unchanged. The owned slices are the
-parameters of an ordinary ``torch.optim.AdamW``: each rank's optimizer only ever sees its shard,
-which is all the optimizer-state sharding there is. AdamW is elementwise, so updating the shards
-separately gives exactly the unsharded update.
+parameters of an ordinary optimizer (``torch.optim.AdamW`` unless ``optimizer_cls`` says another):
+each rank's optimizer only ever sees its shard, which is all the optimizer-state sharding there is.
+SGD, Adam, AdamW and the other element-wise optimizers update each element from that element's
+own gradient and state, so updating the shards separately gives exactly the unsharded update.
+Optimizers that need a whole tensor (LBFGS, Adafactor, Muon) are refused: a flat slice across
+several parameters is not a tensor they could work on. :mod:`llmu.parallel.sharded_optimizer`
+does the same optimizer-state sharding (stage 1) for any list of parameters, without hooks.
+
+``zero.parameters()`` are these shards, as with FSDP: an optimizer built on them
+(``torch.optim.SGD(zero.parameters(), lr=0.1)``) trains the model. ZeRO sees its step through
+PyTorch's global optimizer hooks: before it, the gradients are completed; after it, the new
+weights are published. The module's own parameters are views whose gradients never stay in
+``.grad``; an optimizer over them would silently change nothing, so its step raises.
 
 Freeing a gathered unit in stage 3 empties the flat buffer's storage
 (``untyped_storage().resize_(0)``) rather than dropping the tensor: autograd saved views of the
@@ -70,12 +92,14 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from llmu.parallel.data_parallel import (broadcast_module, next_token_loss, require_process_group, single_process_steps,
                                          tensors_in)
+from llmu.parallel.sharded_optimizer import _claim, _owner, _release, check_optimizer_class
 
-__all__ = ["STAGES", "PRECISIONS", "ZeRO", "FlatUnit", "default_units", "zero_memory_formula", "memory_table",
-           "fsdp2_train", "demo"]
+__all__ = ["STAGES", "PRECISIONS", "COMPUTE_DTYPES", "ZeRO", "FlatUnit", "default_units", "zero_memory_formula",
+           "memory_table", "fsdp2_train", "demo"]
 
 #: 0 is plain data parallelism through the same machinery (the baseline of the table).
 STAGES = (0, 1, 2, 3)
@@ -161,8 +185,9 @@ class FlatUnit:
     offsets: list[int]
     numel: int                      # real elements
     padded: int                     # numel rounded up to a multiple of world_size
-    full: torch.Tensor              # (padded,) all the weights; in stage 3 emptied between uses
-    shard: nn.Parameter             # what this rank's optimizer updates
+    full: torch.Tensor              # (padded,) all the weights, in the compute dtype; stage 3: emptied between uses
+    shard: nn.Parameter             # float32, what this rank's optimizer updates (a view of full when both are
+                                    # float32 and the stage is 0-2; otherwise the master copy of the owned slice)
     owned: slice                    # the shard's place in the flat buffer
     full_grad: torch.Tensor | None = None   # (padded,) stages 0-1: kept; 2-3: only during backward
     ready: int = 0                  # gradients received in this backward
@@ -180,9 +205,36 @@ def _owned_range(stage: int, padded: int, world: int, rank: int) -> slice:
 # The wrapper
 # ----------------------------------------------------------------------------------------------
 
+#: The dtypes forward and backward may run in (``compute_dtype``); None (or float32) means float32.
+COMPUTE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _check_compute_dtype(compute_dtype) -> torch.dtype:
+    if compute_dtype is None or compute_dtype is torch.float32:
+        return torch.float32
+    if not isinstance(compute_dtype, torch.dtype):
+        raise TypeError(f"compute_dtype must be a torch.dtype (torch.bfloat16 or torch.float16), or None for "
+                        f"float32 throughout; got {compute_dtype!r}")
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype must be torch.bfloat16 or torch.float16 (or None / torch.float32: no "
+                         f"mixed precision); got {compute_dtype}")
+    return compute_dtype
+
+
+def _cast_floats(obj, dtype: torch.dtype):
+    """``obj`` with its floating-point tensors (inside tuples, lists and dicts too) cast to ``dtype``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_cast_floats(item, dtype) for item in obj)
+    if isinstance(obj, dict):
+        return {key: _cast_floats(value, dtype) for key, value in obj.items()}
+    return obj
+
 
 class ZeRO(nn.Module):
-    """``module`` trained with AdamW under ZeRO ``stage`` (0-3) on every rank of ``group``.
+    """``module`` trained under ZeRO ``stage`` (0-3) on every rank of ``group``, with any
+    element-wise optimizer (AdamW unless told otherwise).
 
     Build it on every rank at once: rank 0's weights are broadcast, then each unit's parameters
     are moved into a flat buffer and sharded. Per step::
@@ -192,36 +244,86 @@ class ZeRO(nn.Module):
         zero.step()                         # (all-reduce,) update the shard, (all-gather)
         zero.zero_grad()
 
+    ``optimizer_cls`` and ``**optimizer_kwargs``: the optimizer and its keyword arguments,
+    ``ZeRO(model, 2, torch.optim.SGD, lr=0.1, momentum=0.9)``; the default is
+    ``torch.optim.AdamW`` with its own defaults (``lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+    weight_decay=0.01``), so ``ZeRO(model, 1, lr=1e-2)`` is AdamW. It must update each element
+    from that element alone (see :func:`~llmu.parallel.sharded_optimizer.check_optimizer_class`;
+    ``assume_elementwise=True`` vouches for a class it does not know).
+
     ``units``: submodules whose parameters form one flat buffer each (default
     :func:`default_units`); trainable parameters outside them form one more unit around the whole
-    module. All trainable parameters must be float32. ``lr``, ``betas``, ``eps``,
-    ``weight_decay``: ``torch.optim.AdamW``'s.
+    module. All trainable parameters must be float32.
 
-    Attributes: ``units`` (the :class:`FlatUnit` list), ``optimizer``, ``peak`` (the largest
-    :meth:`memory` seen since the last :meth:`zero_grad`, per category), ``events`` (stage 3:
-    ``(seconds, "gather (forward)" | "gather (backward)" | "free", unit name)`` since the last
-    :meth:`zero_grad`).
+    ``compute_dtype`` (``torch.bfloat16`` or ``torch.float16``): mixed precision, as FSDP's
+    ``MixedPrecision(param_dtype=..., reduce_dtype=torch.float32)``. The module's parameters become
+    ``compute_dtype`` views and floating-point inputs are cast, so forward and backward run in
+    ``compute_dtype``; the shards the optimizer updates are float32 master weights; every gradient
+    is upcast to float32 as it arrives and reduced in float32; the optimizer state is float32.
+    Frozen parameters and buffers are left as they are. The output comes out in
+    ``compute_dtype``.
+
+    What a rank holds, ``Ψ`` parameters, ``N`` ranks, AdamW (``memory()`` measures it):
+
+    ==========  ====================  ==========================  ===============================
+    stage       weights               gradients (float32)         optimizer
+    ==========  ====================  ==========================  ===============================
+    0           4Ψ   (bf16: 2Ψ)       4Ψ                          8Ψ   (bf16: + 4Ψ master)
+    1           4Ψ   (bf16: 2Ψ)       4Ψ                          8Ψ/N (bf16: + 4Ψ/N master)
+    2           4Ψ   (bf16: 2Ψ)       4Ψ/N                        8Ψ/N (bf16: + 4Ψ/N master)
+    3           4Ψ/N (bf16: 0)        4Ψ/N                        8Ψ/N (bf16: + 4Ψ/N master)
+    ==========  ====================  ==========================  ===============================
+
+    plus, during the backward of stages 2-3, the full float32 gradient of the unit being reduced,
+    and in stage 3 one or two units' gathered weights at a time. Under mixed precision the
+    float32 master weights count as optimizer state, as the ZeRO paper's ``K = 12`` does. For
+    ``Ψ = 1e9, N = 8``: stage 1 in float32 is 4 + 4 + 1 = 9 GB, with bf16 compute 2 + 4 + 1.5 =
+    7.5 GB (the paper's 2 + 2 + 1.5 reduces gradients in 16 bits; this class reduces in float32).
+
+    ``parameters()`` / ``named_parameters()`` are the shards this rank owns and updates (one flat
+    float32 tensor per unit, ``"<unit>.flat_shard"``), as with FSDP: an optimizer built on them,
+    ``torch.optim.SGD(zero.parameters(), lr=0.1)``, trains the model, every stage. Its ``step``
+    first completes the gradients (:meth:`reduce_gradients`) and afterwards gives every rank the
+    new weights (stages 1-2 all-gather; stage 3 gathers in the next forward). The module's own
+    parameters (``zero.module.parameters()``) are views ZeRO manages: their ``.grad`` never stays,
+    so an optimizer over them would change nothing, and its ``step`` raises instead.
+
+    Gradients accumulate over several backward passes until a step; the first backward after a
+    step starts from zero, whatever ``zero_grad`` did or did not do (as DeepSpeed's engine).
+
+    Attributes: ``units`` (the :class:`FlatUnit` list), ``optimizer`` (over the shards),
+    ``compute_dtype``, ``peak`` (the largest :meth:`memory` seen since the last :meth:`zero_grad`,
+    per category), ``events`` (stage 3: ``(seconds, "gather (forward)" | "gather (backward)" |
+    "free", unit name)`` since the last :meth:`zero_grad`, or the last step's).
     """
 
-    def __init__(self, module: nn.Module, stage: int, *, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, units: list[nn.Module] | None = None, group=None):
+    def __init__(self, module: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *,
+                 units: list[nn.Module] | None = None, group=None, compute_dtype=None,
+                 assume_elementwise: bool = False, **optimizer_kwargs):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if isinstance(stage, bool) or stage not in STAGES:
             raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+        check_optimizer_class(optimizer_cls, optimizer_kwargs, assume_elementwise=assume_elementwise, what="ZeRO")
+        self.compute_dtype = _check_compute_dtype(compute_dtype)
+        self.mixed = self.compute_dtype != torch.float32
+        self.assume_elementwise = assume_elementwise
         # Step 1: which parameters go in which unit
         named_units = self._resolve_units(module, units)
         self.world_size, self.rank = require_process_group(group, "ZeRO")
+        _claim([p for _, _, params in named_units for p in params], self)
         self.module, self.stage, self.group = module, stage, group
         broadcast_module(module, group)
         full_names = {p: n for n, p in module.named_parameters()}
         self.units = [self._flatten(name, unit_module, params, full_names) for name, unit_module, params in named_units]
         self._where = {p: (u, i) for u in self.units for i, p in enumerate(u.params)}
+        self._shard_ids = {id(u.shard) for u in self.units}
+        _claim([u.shard for u in self.units], self)
 
         # Step 2: the optimizer sees the shards only
-        self.optimizer = torch.optim.AdamW([u.shard for u in self.units], lr=lr, betas=betas, eps=eps,
-                                           weight_decay=weight_decay)
+        self.optimizer = optimizer_cls([u.shard for u in self.units], **optimizer_kwargs)
+        _install_optimizer_hooks()
 
         # Step 3: hooks: gradients into the flat buffers; stage 3 gathers and frees around uses
         self._handles = [p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -231,7 +333,9 @@ class ZeRO(nn.Module):
                 self._handles.append(u.module.register_forward_pre_hook(self._before_forward_hook(u)))
                 self._handles.append(u.module.register_forward_hook(self._after_forward_hook(u)))
         self._t0 = time.perf_counter()
-        self._reduced = False
+        self._reduced = False           # this step's gradients are averaged already
+        self._stepped = False           # a step has used the gradients: the next backward starts from zero
+        self._events_stale = False      # a step has happened: the next forward starts a new event list
         self.events: list[tuple[float, str, str]] = []
         self.peak = self.memory()
 
@@ -271,7 +375,8 @@ class ZeRO(nn.Module):
         for _, _, params in result:
             for p in params:
                 if p.dtype != torch.float32:
-                    raise TypeError(f"ZeRO here trains float32 parameters; got one of dtype {p.dtype}")
+                    raise TypeError(f"ZeRO here trains float32 parameters (for lower-precision compute, keep them "
+                                    f"float32 and pass compute_dtype); got one of dtype {p.dtype}")
         return result
 
     def _flatten(self, name: str, unit_module: nn.Module, params: list[nn.Parameter], full_names: dict) -> FlatUnit:
@@ -280,18 +385,21 @@ class ZeRO(nn.Module):
             offsets.append(numel)
             numel += p.numel()
         padded = -(-numel // self.world_size) * self.world_size
-        full = torch.zeros(padded, dtype=torch.float32, device=params[0].device)
+        master = torch.zeros(padded, dtype=torch.float32, device=params[0].device)
         with torch.no_grad():
             for p, off in zip(params, offsets):
-                full[off:off + p.numel()].copy_(p.reshape(-1))
+                master[off:off + p.numel()].copy_(p.reshape(-1))
+        owned = _owned_range(self.stage, padded, self.world_size, self.rank)
+        if self.mixed or self.stage == 3:
+            shard = nn.Parameter(master[owned].clone())         # the only float32 copy this rank keeps
+            full = master.to(self.compute_dtype)                # what the module computes with
+        else:
+            full = master
+            shard = nn.Parameter(full[owned])                   # a view: updates land in the module
         for p, off in zip(params, offsets):
             p.data = full[off:off + p.numel()].view(p.shape)   # the module now reads the flat buffer
-        owned = _owned_range(self.stage, padded, self.world_size, self.rank)
         if self.stage == 3:
-            shard = nn.Parameter(full[owned].clone())           # the only persistent copy
             full.untyped_storage().resize_(0)
-        else:
-            shard = nn.Parameter(full[owned])                   # a view: updates land in the module
         unit = FlatUnit(name, unit_module, [full_names[p] for p in params], params, offsets, numel, padded,
                         full, shard, owned, gathered=self.stage != 3)
         if self.stage <= 1:
@@ -312,15 +420,30 @@ class ZeRO(nn.Module):
         """``Ψ`` after padding every unit to a multiple of the world size."""
         return sum(u.padded for u in self.units)
 
+    # -- what this rank trains --------------------------------------------------------------------
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The shards this rank owns and updates, one flat float32 tensor per unit, named
+        ``"<unit>.flat_shard"`` (``"flat_shard"`` for the parameters outside every unit). An
+        optimizer built on them trains the model; see the class docstring."""
+        for unit in getattr(self, "units", []):
+            yield prefix + ("flat_shard" if unit.name == "<root>" else f"{unit.name}.flat_shard"), unit.shard
+
+    def _is_shard(self, p: torch.Tensor) -> bool:
+        return id(p) in self._shard_ids
+
     # -- stage 3: gather just in time, free after use ---------------------------------------------
     def _event(self, kind: str, unit: FlatUnit) -> None:
         self.events.append((time.perf_counter() - self._t0, kind, unit.name))
+
+    def _compute_copy(self, shard: torch.Tensor) -> torch.Tensor:
+        """What a rank sends to the all-gather: its shard in the compute dtype (a new tensor)."""
+        return shard.detach().to(self.compute_dtype) if self.mixed else shard.detach().clone()
 
     def _gather(self, unit: FlatUnit, phase: str) -> None:
         if unit.gathered:
             return
         unit.full.untyped_storage().resize_(unit.padded * unit.full.element_size())
-        _all_gather(unit.full, unit.shard.detach(), group=self.group)
+        _all_gather(unit.full, self._compute_copy(unit.shard), group=self.group)
         unit.gathered = True
         self._event(f"gather ({phase})", unit)
         self._sample()
@@ -348,12 +471,16 @@ class ZeRO(nn.Module):
 
     # -- gradients --------------------------------------------------------------------------------
     def _grad_ready(self, p: torch.Tensor) -> None:
-        """Hook: ``p.grad`` is complete. Add it into the unit's flat gradient, free it, and once the
-        whole unit is in, reduce-scatter it (stages 2-3)."""
+        """Hook: ``p.grad`` is complete. Add it into the unit's flat float32 gradient (upcast on the
+        fly under mixed precision), free it, and once the whole unit is in, reduce-scatter it
+        (stages 2-3)."""
+        if self._stepped:                           # the first gradient after a step: start from zero
+            self._clear_gradients(keep_param_grads=True)
+        self._reduced = False
         unit, i = self._where[p]
         self._attach_grad(unit)
         if unit.full_grad is None:
-            unit.full_grad = torch.zeros(unit.padded, dtype=torch.float32, device=unit.full.device)
+            unit.full_grad = torch.zeros(unit.padded, dtype=torch.float32, device=unit.shard.device)
         with torch.no_grad():
             unit.full_grad[unit.offsets[i]:unit.offsets[i] + p.numel()].add_(p.grad.reshape(-1))
         self._sample()                              # autograd's gradient and ours both alive
@@ -363,7 +490,7 @@ class ZeRO(nn.Module):
             self._unit_done(unit)
 
     def _attach_grad(self, unit: FlatUnit) -> None:
-        """Give the shard its gradient back if it has none: the wrapped optimizer's
+        """Give the shard its gradient back if it has none: an optimizer's
         ``zero_grad(set_to_none=True)`` sets ``shard.grad = None``, which means zero. Stages 0-1:
         the shard's gradient is its slice of the flat gradient (zeroed with it); stages 2-3: a
         zero tensor that the reduce-scatter adds into."""
@@ -388,13 +515,31 @@ class ZeRO(nn.Module):
         if self.stage == 3:
             self._free(unit)
 
+    def _clear_gradients(self, keep_param_grads: bool = False) -> None:
+        """Every flat and shard gradient to zero (or ``None`` where a backward recreates it); the
+        parameters' own ``.grad`` too, unless a gradient hook is about to read one."""
+        for unit in self.units:
+            self._attach_grad(unit)                 # a gradient set to None counts as zero
+            if self.stage <= 1:
+                unit.full_grad.zero_()
+            else:
+                unit.full_grad = None
+                unit.shard.grad.zero_()
+            unit.ready = 0
+            if not keep_param_grads:
+                for p in unit.params:
+                    p.grad = None
+        self._reduced = False
+        self._stepped = False
+
     # -- the step ---------------------------------------------------------------------------------
     @torch.no_grad()
     def reduce_gradients(self) -> None:
         """Finish the gradient communication of this step: stages 0-1 all-reduce the full
         gradients (and divide by ``W``); stages 2-3 have reduce-scattered every complete unit
         during the backward and complete the others here. Afterwards ``unit.shard.grad`` holds the
-        average gradient of this rank's shard. :meth:`step` calls it; calling it twice is harmless."""
+        average gradient of this rank's shard. :meth:`step` (and the step of any optimizer over
+        :meth:`parameters`) calls it; calling it again before new gradients arrive does nothing."""
         if self._reduced:
             return
         for unit in self.units:                     # units some of whose parameters got no gradient
@@ -410,36 +555,45 @@ class ZeRO(nn.Module):
         self._reduced = True
 
     @torch.no_grad()
+    def _publish(self) -> None:
+        """After the shards changed: give every rank the new weights it computes with. Stage 0:
+        each rank updated everything (under mixed precision, cast the master into the compute
+        copy); stages 1-2: all-gather the shards (in the compute dtype); stage 3: nothing, the
+        next forward gathers."""
+        if self.stage == 3:
+            pass
+        elif self.stage == 0:
+            if self.mixed:
+                for unit in self.units:
+                    unit.full.copy_(unit.shard)
+        else:
+            for unit in self.units:
+                _all_gather(unit.full, self._compute_copy(unit.shard), group=self.group)
+        self._stepped = self._events_stale = True
+
+    @torch.no_grad()
     def step(self) -> None:
-        """Average the gradients (:meth:`reduce_gradients`), update this rank's shard with AdamW,
-        and give everyone the new weights (stages 1-2: all-gather; stage 3: the next forward
-        gathers them)."""
+        """Average the gradients (:meth:`reduce_gradients`), update this rank's shard with the
+        optimizer, and give everyone the new weights (stages 1-2: all-gather; stage 3: the next
+        forward gathers them)."""
         self.reduce_gradients()
         self.optimizer.step()
-        self._reduced = False
         self._sample()
-        if self.stage in (1, 2):
-            for unit in self.units:
-                _all_gather(unit.full, unit.shard.detach().clone(), group=self.group)
+        self._publish()
 
     def zero_grad(self) -> None:
         """Clear the gradients (the flat ones and the shards') and start a new peak measurement."""
-        for unit in self.units:
-            self._attach_grad(unit)                 # a gradient set to None counts as zero
-            if self.stage <= 1:
-                unit.full_grad.zero_()
-            else:
-                unit.full_grad = None
-                unit.shard.grad.zero_()
-            unit.ready = 0
-            for p in unit.params:
-                p.grad = None
-        self._reduced = False
+        self._clear_gradients()
         self.events = []
+        self._events_stale = False
         self._t0 = time.perf_counter()
         self.peak = self.memory()
 
     def forward(self, *args, **kwargs):
+        if self._events_stale:                      # no zero_grad since the last step: a new event list
+            self.events, self._events_stale, self._t0 = [], False, time.perf_counter()
+        if self.mixed:
+            args, kwargs = _cast_floats(args, self.compute_dtype), _cast_floats(kwargs, self.compute_dtype)
         return self.module(*args, **kwargs)
 
     # -- measuring --------------------------------------------------------------------------------
@@ -448,8 +602,10 @@ class ZeRO(nn.Module):
 
         The sum of the storage sizes of the tensors involved (a storage shared by several views is
         counted once, under the first category that holds it; an emptied stage-3 buffer counts 0).
-        ``optimizer`` counts every tensor of the AdamW state: the two moments and one 4-byte step
-        counter per shard.
+        ``params``: the weights the module computes with (and, in float32, the shards);
+        ``optimizer``: every tensor of the state of ``self.optimizer`` (AdamW: the two moments and
+        one 4-byte step counter per shard; an optimizer you built over :meth:`parameters` keeps
+        its own, not counted here) and, under mixed precision, the float32 master shards.
         """
         seen: set[int] = set()
 
@@ -464,12 +620,13 @@ class ZeRO(nn.Module):
                     total += storage.nbytes()
             return total
 
+        shards = [u.shard for u in self.units]
         params = size([p for u in self.units for p in u.params] + [u.full for u in self.units]
-                      + [u.shard for u in self.units])
+                      + ([] if self.mixed else shards))
         grads = size([p.grad for u in self.units for p in u.params] + [u.full_grad for u in self.units]
                      + [u.shard.grad for u in self.units])
         optimizer = size([t for state in self.optimizer.state.values() for t in state.values()
-                          if isinstance(t, torch.Tensor)])
+                          if isinstance(t, torch.Tensor)] + (shards if self.mixed else []))
         return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
 
     def _sample(self) -> None:
@@ -477,19 +634,45 @@ class ZeRO(nn.Module):
         self.peak = {key: max(self.peak[key], now[key]) for key in now}
 
     @torch.no_grad()
+    def _gathered_flat(self, unit: FlatUnit, shard: torch.Tensor) -> torch.Tensor:
+        """The whole float32 flat tensor whose rank slices are ``shard`` (a collective unless stage 0)."""
+        if self.stage == 0:
+            return shard.detach()
+        flat = torch.empty(unit.padded, dtype=torch.float32, device=shard.device)
+        _all_gather(flat, shard.detach().contiguous(), group=self.group)
+        return flat
+
+    @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """A copy of every trained parameter, full size, by its name in ``module`` (a collective in
-        stage 3: every rank must call it)."""
-        names = {p: n for n, p in self.module.named_parameters()}
+        """A float32 copy of every trained parameter, full size, by its name in ``module`` (under
+        mixed precision the master weights, not their ``compute_dtype`` copies). A collective in
+        stage 3 and under mixed precision: every rank must call it."""
         out = {}
         for unit in self.units:
-            was_gathered = unit.gathered
-            if self.stage == 3:
-                self._gather(unit, "copy")
-            for p in unit.params:
-                out[names[p]] = p.detach().clone()
-            if self.stage == 3 and not was_gathered:
-                self._free(unit)
+            if self.mixed or self.stage == 3:       # the float32 weights exist as shards only
+                flat = self._gathered_flat(unit, unit.shard)
+                for name, p, off in zip(unit.names, unit.params, unit.offsets):
+                    out[name] = flat[off:off + p.numel()].view(p.shape).clone()
+            else:
+                for name, p in zip(unit.names, unit.params):
+                    out[name] = p.detach().clone()
+        return out
+
+    @torch.no_grad()
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """The average float32 gradient of every trained parameter over the ranks, in the
+        parameter's shape, by its name in ``module``: what a single process would hold in
+        ``p.grad`` (upcast to float32 under mixed precision). Call it after the backward and
+        before the step; it completes the reduction (:meth:`reduce_gradients`) and, in stages 2-3,
+        all-gathers the gradient shards: a collective, every rank must call it. Every rank gets
+        the same bits: each slice is summed once, by its owner (stages 2-3), or by one all-reduce
+        whose result every rank receives (stages 0-1)."""
+        self.reduce_gradients()
+        out = {}
+        for unit in self.units:
+            flat = unit.full_grad if self.stage <= 1 else self._gathered_flat(unit, unit.shard.grad)
+            for name, p, off in zip(unit.names, unit.params, unit.offsets):
+                out[name] = flat[off:off + p.numel()].view(p.shape).clone()
         return out
 
     def remove_hooks(self) -> None:
@@ -497,10 +680,60 @@ class ZeRO(nn.Module):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        _release([p for u in self.units for p in [*u.params, u.shard]], self)
 
     def extra_repr(self) -> str:
-        return (f"stage={self.stage}, world_size={self.world_size}, rank={self.rank}, units={len(self.units)}, "
-                f"params={self.num_params} (padded {self.padded_params})")
+        dtype = f", compute_dtype={self.compute_dtype}" if self.mixed else ""
+        return (f"stage={self.stage}, optimizer={type(self.optimizer).__name__}{dtype}, world_size={self.world_size}, "
+                f"rank={self.rank}, units={len(self.units)}, params={self.num_params} (padded {self.padded_params})")
+
+
+# ----------------------------------------------------------------------------------------------
+# Optimizers built over zero.parameters()
+# ----------------------------------------------------------------------------------------------
+
+_optimizer_hooks = None
+
+
+def _install_optimizer_hooks() -> None:
+    """Once per process: a hook before and after every optimizer step (PyTorch's global step
+    hooks). They act only on optimizers holding tensors a :class:`ZeRO` manages, ZeRO's own
+    optimizer excepted: before the step, complete the gradients; after it, publish the weights."""
+    global _optimizer_hooks
+    if _optimizer_hooks is None:
+        _optimizer_hooks = (register_optimizer_step_pre_hook(_before_any_step),
+                            register_optimizer_step_post_hook(_after_any_step))
+
+
+def _zeros_of(optimizer) -> list[ZeRO]:
+    """The ZeRO wrappers whose shards ``optimizer`` holds (raising if it holds their views)."""
+    found: list[ZeRO] = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            zero = _owner(p)
+            if not isinstance(zero, ZeRO) or zero.optimizer is optimizer:
+                continue
+            if not zero._is_shard(p):
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds a parameter of shape {tuple(p.shape)} that ZeRO (stage "
+                    f"{zero.stage}) manages: ZeRO moves its gradient into flat buffers and leaves .grad empty, so "
+                    "this step would change nothing. Build the optimizer over zero.parameters() (the shards this "
+                    "rank updates), or let ZeRO build it: ZeRO(module, stage, torch.optim.SGD, lr=...)")
+            if all(zero is not z for z in found):
+                found.append(zero)
+    return found
+
+
+def _before_any_step(optimizer, args, kwargs) -> None:
+    for zero in _zeros_of(optimizer):
+        check_optimizer_class(type(optimizer), None, assume_elementwise=zero.assume_elementwise, what="ZeRO")
+        zero.reduce_gradients()
+
+
+def _after_any_step(optimizer, args, kwargs) -> None:
+    for zero in _zeros_of(optimizer):
+        zero._sample()
+        zero._publish()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,6 +14,13 @@ Tolerances, float32 (the reasoning of test_data_parallel.py: ZeRO is data parall
 - ZeRO-3 vs FSDP2: the same tolerance (both reduce-scatter the same gradients; seen: equal).
 - memory: exact. The measured bytes are the padded formula's plus one 4-byte AdamW step counter
   per shard; the padded and unpadded formulas differ by less than 16 bytes x (W - 1) per unit.
+
+Then, on 2 ranks and bit for bit (``torch.equal``) against one process doing the ranks' own
+arithmetic (see the comment above ``_by_hand``): SGD with momentum, Adam and AdamW in every stage;
+an optimizer built over ``zero.parameters()`` (the shards) in every stage, and one over the
+module's own parameters refused; mixed precision (bf16 in every stage, fp16 in stages 1 and 3)
+against casting the float32 masters to the compute dtype by hand, with ``full_gradients()`` equal
+on both ranks and the memory each rank holds against napkin math.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from llmu.distributed import launch
 from llmu.models import tiny_llama
 from llmu.parallel import zero as Z
 from llmu.parallel.data_parallel import next_token_loss, single_process_steps
+from llmu.parallel.sharded_optimizer import ShardedOptimizer
 
 GRAD_RTOL = 1e-6
 PARAM_ATOL = 3e-6
@@ -229,3 +237,227 @@ def test_a_gradient_set_to_none_counts_as_zero():
             for style in ("optimizer.zero_grad(set_to_none=True)", "both, optimizer first"):
                 # the same gradients summed in the same order: the same parameters, bit for bit
                 assert torch.equal(out[(stage, style)], want), f"stage {stage}, {style}"
+
+
+# ---------------------------------------------------------------------------------------------
+# any optimizer, optimizers over zero.parameters(), mixed precision: 2 ranks, compared bit for bit
+# ---------------------------------------------------------------------------------------------
+#
+# The reference below does the ranks' own arithmetic in one process: each rank's micro-batch
+# through the same model, the two gradients summed and halved in float32 (with two ranks the
+# all-reduce and the reduce-scatter compute g0 + g1, whose value does not depend on the order, and
+# halving is exact), then the plain optimizer on whole tensors. Element-wise optimizers round each
+# element the same way in a flat slice as in its parameter, so every comparison is torch.equal.
+
+OPTIMIZERS = {
+    "SGD, momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}),
+    "Adam": (torch.optim.Adam, {"lr": LR, "weight_decay": 0.1}),
+    # ZeRO's default class, given the keywords its callers have always passed
+    "AdamW": (torch.optim.AdamW, {"lr": LR, "betas": (0.9, 0.99), "eps": 1e-7, "weight_decay": 0.05}),
+}
+
+
+def _by_hand(batches, cls, kwargs, steps, compute_dtype=torch.float32):
+    """What the ranks compute, in one process: float32 master weights; per step, each rank's
+    micro-batch through the model with the masters cast to ``compute_dtype``, its gradient upcast
+    to float32, the sum in rank order divided by the number of ranks, and the plain optimizer on
+    the masters. Returns the masters after every step and the first step's average gradients."""
+    model = _model()
+    master = {n: p.detach().clone().requires_grad_(True) for n, p in model.named_parameters()}
+    opt = cls(list(master.values()), **kwargs)
+    history, first = [], None
+    for _ in range(steps):
+        grads = []
+        for ids in batches:
+            for n, p in model.named_parameters():
+                p.data = master[n].detach().to(compute_dtype, copy=True)
+            model.zero_grad(set_to_none=True)
+            next_token_loss(model, ids).backward()
+            grads.append({n: p.grad.float() for n, p in model.named_parameters()})
+        for n, t in master.items():
+            total = grads[0][n]
+            for g in grads[1:]:
+                total = total + g[n]
+            t.grad = total / len(batches)
+        if first is None:
+            first = {n: t.grad.clone() for n, t in master.items()}
+        opt.step()
+        history.append({n: t.detach().clone() for n, t in master.items()})
+    return history, first
+
+
+def _differ(got: dict, want: dict) -> list[str]:
+    return [n for n in want if got[n].dtype != want[n].dtype or not torch.equal(got[n], want[n])]
+
+
+def _zero(stage, cls, kwargs, **extra):
+    if cls is torch.optim.AdamW:                       # the default class, as existing callers use it
+        return Z.ZeRO(_model(), stage, **kwargs, **extra)
+    return Z.ZeRO(_model(), stage, cls, **kwargs, **extra)
+
+
+def _any_optimizer(rank, world):
+    batches = _batch().chunk(world)
+    out = {"zero.step": {}, "optimizer over zero.parameters()": {}, "refused": {}, "sharded twice": []}
+    for name, (cls, kwargs) in OPTIMIZERS.items():
+        history, _ = _by_hand(batches, cls, kwargs, STEPS)
+        for stage in Z.STAGES:
+            zero = _zero(stage, cls, kwargs)
+            assert type(zero.optimizer) is cls
+            diffs = []
+            for step in range(STEPS):
+                zero.zero_grad()
+                next_token_loss(zero, batches[rank]).backward()
+                zero.step()
+                diffs.append(_differ(zero.full_parameters(), history[step]))
+            out["zero.step"][name, stage] = diffs
+
+    # PyTorch's idiom: an optimizer built over the wrapper's parameters (the shards), cleared either way
+    cls, kwargs = OPTIMIZERS["SGD, momentum"]
+    history, _ = _by_hand(batches, cls, kwargs, STEPS)
+    for stage in Z.STAGES:
+        for set_to_none in (True, False):
+            zero = Z.ZeRO(_model(), stage)
+            shards = list(zero.parameters())
+            assert [s is u.shard for s, u in zip(shards, zero.units)] == [True] * len(zero.units)
+            assert [n for n, _ in zero.named_parameters()][-1] == "lm_head.flat_shard"
+            before = zero.full_parameters()
+            opt = cls(zero.parameters(), **kwargs)
+            diffs = []
+            for step in range(STEPS):
+                opt.zero_grad(set_to_none=set_to_none)
+                next_token_loss(zero, batches[rank]).backward()
+                opt.step()
+                diffs.append(_differ(zero.full_parameters(), history[step]))
+            after = zero.full_parameters()
+            out["optimizer over zero.parameters()"][stage, set_to_none] = {
+                "diffs": diffs, "all_moved": all(not torch.equal(before[n], after[n]) for n in before),
+                "shard_sizes": [s.numel() for s in shards], "padded": [u.padded for u in zero.units]}
+        # the module's own parameters are views whose gradients never stay: an optimizer over them is refused
+        zero = Z.ZeRO(_model(), stage)
+        opt = torch.optim.SGD(zero.module.parameters(), lr=0.1)
+        next_token_loss(zero, batches[rank]).backward()
+        try:
+            opt.step()
+            out["refused"][stage] = None
+        except RuntimeError as e:
+            out["refused"][stage] = str(e)
+        zero.reduce_gradients()                         # every rank completes the collectives of this backward
+        if stage == 1:                                  # a parameter lives in one flat buffer only
+            for again in (lambda: ShardedOptimizer(zero.parameters(), torch.optim.SGD, lr=0.1),
+                          lambda: Z.ZeRO(zero.module, 2)):
+                try:
+                    again()
+                    out["sharded twice"].append(None)
+                except ValueError as e:
+                    out["sharded twice"].append(str(e))
+    return out
+
+
+def test_zero_with_any_optimizer_equals_the_unsharded_one():
+    results = launch(_any_optimizer, 2)
+    problems = []
+    for rank, out in enumerate(results):
+        for (name, stage), diffs in out["zero.step"].items():
+            if any(diffs):
+                problems.append(f"rank {rank}, {name}, stage {stage}: parameters differ per step: {diffs}")
+        for (stage, set_to_none), got in out["optimizer over zero.parameters()"].items():
+            where = f"rank {rank}, stage {stage}, optimizer over zero.parameters(), set_to_none={set_to_none}"
+            if any(got["diffs"]):
+                problems.append(f"{where}: parameters differ per step: {got['diffs']}")
+            if not got["all_moved"]:                     # what an optimizer over the emptied views did before
+                problems.append(f"{where}: some parameters did not move")
+            want = [p if stage == 0 else p // 2 for p in got["padded"]]
+            if got["shard_sizes"] != want:
+                problems.append(f"{where}: shards of {got['shard_sizes']} elements, expected {want}")
+        for stage, message in out["refused"].items():
+            if message is None or "zero.parameters()" not in message:
+                problems.append(f"rank {rank}, stage {stage}: an optimizer over the module's views was not refused "
+                                f"({message})")
+        if [m is not None and "already managed by a ZeRO" in m for m in out["sharded twice"]] != [True, True]:
+            problems.append(f"rank {rank}: sharding ZeRO's tensors again was not refused: {out['sharded twice']}")
+    assert not problems, "\n".join(problems)
+
+
+def _mixed_precision(rank, world):
+    batches = _batch().chunk(world)
+    cls, kwargs = OPTIMIZERS["AdamW"]
+    out = {}
+    for dtype, stages in ((torch.bfloat16, Z.STAGES), (torch.float16, (1, 3))):
+        history, first = _by_hand(batches, cls, kwargs, STEPS, dtype)
+        for stage in stages:
+            zero = _zero(stage, cls, kwargs, compute_dtype=dtype)
+            seen = {}
+            zero.module.register_forward_hook(lambda m, args, output, seen=seen: seen.update(
+                logits=output.logits.dtype, weights={p.dtype for p in m.parameters()}))
+            diffs = []
+            for step in range(STEPS):
+                zero.zero_grad()
+                next_token_loss(zero, batches[rank]).backward()
+                if step == 0:
+                    grads = zero.full_gradients()
+                    grad_diffs = _differ(grads, first)
+                zero.step()
+                if step == STEPS - 1:
+                    memory = zero.memory()
+                diffs.append(_differ(zero.full_parameters(), history[step]))
+            out[dtype, stage] = {"diffs": diffs, "grad_diffs": grad_diffs, "grads": grads, "memory": memory,
+                                 "padded": zero.padded_params, "units": len(zero.units), "seen": seen,
+                                 "shard_dtypes": {p.dtype for p in zero.parameters()}}
+    return out
+
+
+def test_mixed_precision_equals_a_by_hand_reference():
+    results = launch(_mixed_precision, 2)
+    problems = []
+    for rank, out in enumerate(results):
+        for (dtype, stage), got in out.items():
+            where = f"rank {rank}, {dtype}, stage {stage}"
+            if any(got["diffs"]):
+                problems.append(f"{where}: master weights differ per step: {got['diffs']}")
+            if got["grad_diffs"]:
+                problems.append(f"{where}: full_gradients() differ from the float32 average: {got['grad_diffs']}")
+            if got["seen"] != {"logits": dtype, "weights": {dtype}} or got["shard_dtypes"] != {torch.float32}:
+                problems.append(f"{where}: ran in {got['seen']}, shards {got['shard_dtypes']}")
+            # napkin math, P padded parameters, 2 ranks, AdamW: compute weights 2 B, float32 gradients 4 B,
+            # float32 master 4 B + moments 8 B (sharded from stage 1, gradients from stage 2, weights in stage 3)
+            p, u, size = got["padded"], got["units"], {torch.bfloat16: 2, torch.float16: 2}[dtype]
+            want = {"params": 0 if stage == 3 else size * p, "grads": 4 * p // (2 if stage >= 2 else 1),
+                    "optimizer": 12 * p // (2 if stage >= 1 else 1) + 4 * u}
+            if {k: got["memory"][k] for k in want} != want:
+                problems.append(f"{where}: memory {got['memory']}, expected {want}")
+    # the gradient of every (replicated) parameter is the same on both ranks, bit for bit
+    for key, got in results[0].items():
+        other = results[1][key]["grads"]
+        assert not [n for n in got["grads"] if not torch.equal(got["grads"][n], other[n])], key
+        assert all(g.dtype == torch.float32 for g in got["grads"].values())
+    assert not problems, "\n".join(problems)
+
+
+def test_zero_refuses_bad_optimizer_and_precision_arguments():
+    model = _model()
+    with pytest.raises(TypeError, match="torch.optim.Optimizer subclass"):
+        Z.ZeRO(_model(), 1, "adamw")
+    with pytest.raises(TypeError, match="not an optimizer built already"):
+        Z.ZeRO(model, 1, torch.optim.AdamW(model.parameters()))
+    with pytest.raises(ValueError, match="cannot shard LBFGS"):
+        Z.ZeRO(_model(), 1, torch.optim.LBFGS)
+    with pytest.raises(ValueError, match="assume_elementwise=True"):
+        Z.ZeRO(_model(), 1, type("MyAdam", (torch.optim.Adam,), {}))
+    with pytest.raises(TypeError, match="SGD has no keyword argument 'betas'"):
+        Z.ZeRO(_model(), 1, torch.optim.SGD, betas=(0.9, 0.99))
+    with pytest.raises(TypeError, match="AdamW has no keyword argument 'lrr'"):
+        Z.ZeRO(_model(), 1, lrr=1e-3)
+    with pytest.raises(TypeError, match="not as params="):
+        Z.ZeRO(_model(), 1, params=[])
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        Z.ZeRO(_model(), 1, lr=-1.0)
+    with pytest.raises(TypeError, match="assume_elementwise must be True or False"):
+        Z.ZeRO(_model(), 1, assume_elementwise=None)
+    with pytest.raises(TypeError, match="compute_dtype must be a torch.dtype"):
+        Z.ZeRO(_model(), 1, compute_dtype="bfloat16")
+    for bad in (torch.float64, torch.int8, torch.float8_e4m3fn):
+        with pytest.raises(ValueError, match="compute_dtype must be torch.bfloat16 or torch.float16"):
+            Z.ZeRO(_model(), 1, compute_dtype=bad)
+    with pytest.raises(TypeError, match="keep them float32 and pass compute_dtype"):
+        Z.ZeRO(_model().bfloat16(), 1, compute_dtype=torch.bfloat16)
