@@ -58,18 +58,24 @@ def llama3_inv_freq(head_dim: int, base: float, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-#: Decode on a CPU: a one-row product ``x W^T`` (a GEMV) is split over torch's threads (see
+#: Decode on a CPU: a product ``x W^T`` of a few rows (a GEMV, or the handful of rows a
+#: speculative verification or a small batch feeds) is split over torch's threads (see
 #: :func:`_gemv_in_blocks`). ``False`` turns that off (to measure what it buys).
 SPLIT_GEMV = True
+#: The most rows of ``x`` that are split so; more rows are a GEMM, which the BLAS spreads itself.
+SPLIT_GEMV_MAX_ROWS = 8
 _SPLIT_GEMV_MIN_WEIGHTS = 1 << 16   # below this a weight is read in microseconds: not worth two threads
 
 
 def _gemv_blocks(x: torch.Tensor, w: torch.Tensor) -> int:
     """How many row blocks :func:`_gemv_in_blocks` should use for ``x W^T`` (1: use ``F.linear``).
 
-    Only for one row of input on a CPU, outside autograd, with two or more torch threads, a
-    contiguous weight of some size, and a number of blocks that divides ``out_features``."""
-    if not SPLIT_GEMV or x.device.type != "cpu" or w.device.type != "cpu" or x.numel() != w.shape[-1]:
+    Only for at most :data:`SPLIT_GEMV_MAX_ROWS` rows of input on a CPU, outside autograd, with two
+    or more torch threads, a contiguous weight of some size, and a number of blocks that divides
+    ``out_features``."""
+    if not SPLIT_GEMV or x.device.type != "cpu" or w.device.type != "cpu" or x.dim() == 0:
+        return 1
+    if x.shape[-1] != w.shape[-1] or x.numel() > SPLIT_GEMV_MAX_ROWS * w.shape[-1]:
         return 1
     if w.dim() != 2 or not w.is_contiguous() or w.numel() < _SPLIT_GEMV_MIN_WEIGHTS or x.dtype != w.dtype:
         return 1
@@ -83,7 +89,7 @@ def _gemv_blocks(x: torch.Tensor, w: torch.Tensor) -> int:
 
 
 def _gemv_in_blocks(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, blocks: int) -> torch.Tensor:
-    """``F.linear(x, w, bias)`` for one row ``x`` as ``blocks`` GEMVs that run on separate threads.
+    """``F.linear(x, w, bias)`` for a few rows ``x`` as ``blocks`` products that run on separate threads.
 
     Decoding one token multiplies one row by every weight matrix: each weight is read once and
     used for one multiply-add per element, so the time is the time to read the weights. On a CPU,
@@ -92,10 +98,16 @@ def _gemv_in_blocks(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     product over row blocks of ``W`` (a view: no copy) is spread over torch's threads, one block
     each: the same dot products, so the same result, read by every core at once. Measured there:
     the 30 layers' projections go from 34 to 20 ms per token with 2 threads, and a whole decode
-    step from 52 to 34 ms (``llmu bench decode_tokens_per_s``)."""
+    step from 52 to 34 ms (``llmu bench decode_tokens_per_s``).
+
+    A few rows are still bound by reading the weights, and the BLAS's GEMM is no better at them
+    than its GEMV: there, a verification pass over 5 tokens (module 11) took 66-82 ms against a
+    one-token step's 36, and 57-60 ms split in blocks (3 tokens: 108 ms, then 65)."""
     n, k = w.shape
-    y = torch.bmm(x.reshape(1, 1, k).expand(blocks, 1, k), w.view(blocks, n // blocks, k).transpose(1, 2))
-    y = y.reshape(*x.shape[:-1], n)
+    rows = x.numel() // k
+    y = torch.bmm(x.reshape(1, rows, k).expand(blocks, rows, k), w.view(blocks, n // blocks, k).transpose(1, 2))
+    # (blocks, rows, n / blocks) -> (rows, n): block j holds outputs j n/blocks .. (j+1) n/blocks - 1
+    y = y.transpose(0, 1).reshape(*x.shape[:-1], n)
     return y + bias if bias is not None else y
 
 

@@ -27,14 +27,15 @@ def split(on: bool):
 
 # weird sizes too: 577 rows is prime (no split), 1155 = 3 * 5 * 7 * 11 (three blocks, not two)
 @pytest.mark.parametrize("n,k", [(576, 576), (192, 576), (576, 1536), (1155, 64), (577, 128), (49152, 8)])
-@pytest.mark.parametrize("shape", [(1, -1), (-1,), (1, 1, -1)])
+@pytest.mark.parametrize("shape", [(1, -1), (-1,), (1, 1, -1), (3, -1), (2, 4, -1)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_split_one_row_product_equals_f_linear(n, k, shape, bias):
+def test_a_split_product_of_a_few_rows_equals_f_linear(n, k, shape, bias):
     g = torch.Generator().manual_seed(n + k)
     lin = Linear(k, n, weight=torch.randn(n, k, generator=g), bias=bias)
     if bias:
         lin.bias.data = torch.randn(n, generator=g)
-    x = torch.randn(k, generator=g).reshape(shape)
+    rows = -torch.Size(shape).numel()       # the -1 stands for k
+    x = torch.randn(rows * k, generator=g).reshape(shape)
     with threads(3), torch.no_grad():
         blocks = _gemv_blocks(x, lin.weight)
         got = lin(x)
@@ -51,7 +52,9 @@ def test_only_where_it_pays_and_nothing_can_go_wrong():
     row = torch.randn(1, 576)
     with threads(2):
         assert _gemv_blocks(row, w) == 2
-        assert _gemv_blocks(torch.randn(4, 576), w) == 1            # prefill: a GEMM already uses the threads
+        assert _gemv_blocks(torch.randn(4, 576), w) == 2            # a verification's few rows: split too
+        assert _gemv_blocks(torch.randn(2, 4, 576), w) == 2          # 8 rows, the most that are split
+        assert _gemv_blocks(torch.randn(9, 576), w) == 1             # prefill: a GEMM already uses the threads
         assert _gemv_blocks(row, w.t().contiguous().t()) == 1        # not contiguous: no free view in blocks
         assert _gemv_blocks(row, torch.randn(16, 576)) == 1          # too small to be worth a second thread
         assert _gemv_blocks(row.double(), w) == 1                    # mixed dtypes: F.linear raises its error
