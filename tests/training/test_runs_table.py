@@ -19,11 +19,9 @@ over these 50 steps).
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
-import torch
 
+from llmu.bench.machine import Threads
 from llmu.data import json as shipped_json
 from llmu.training.runs import pretrain_small, sft_lora
 
@@ -34,17 +32,6 @@ SFT_STEPS = 2         # the second step follows the first update: the optimizer 
 @pytest.fixture(scope="module")
 def record():
     return shipped_json("training_runs")
-
-
-@contextlib.contextmanager
-def _threads(n: int):
-    """Run with torch on ``n`` threads (the recorded runs' count), then restore the count."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _compare(live: list[dict], recorded: list[dict], keys: dict[str, float], exact=()):
@@ -59,7 +46,7 @@ def _compare(live: list[dict], recorded: list[dict], keys: dict[str, float], exa
 
 def test_pretraining_replays_the_recorded_run(record):
     rec = record["pretrain"]
-    with _threads(record["threads"]):
+    with Threads(record["threads"]):  # the recorded runs' count, restored after
         _, live = pretrain_small(PRETRAIN_STEPS, schedule_steps=rec["settings"]["schedule_steps"],
                                  seed=record["seed"], **record["settings"]["pretrain"])
     assert live["settings"]["parameters"] == rec["settings"]["parameters"]
@@ -82,7 +69,7 @@ def test_sft_replays_the_recorded_run(record, smollm2):
     rec = record["sft"]
     examples = sft_examples()
     train = examples[:rec["n_train"]]         # the script holds the last examples out
-    with _threads(record["threads"]):
+    with Threads(record["threads"]):  # the recorded runs' count, restored after
         model = load_model(fresh=True)
         add_lora(model, seed=record["seed"], **record["settings"]["lora"])
         live = sft_lora(model, tokenizer, train, SFT_STEPS, schedule_steps=len(rec["steps"]), seed=record["seed"],
