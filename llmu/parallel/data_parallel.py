@@ -57,7 +57,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = ["DataParallel", "Bucket", "require_process_group", "broadcast_module", "next_token_loss", "single_process_steps",
-           "tensors_in", "demo"]
+           "accumulated_steps", "tensors_in", "demo"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -334,6 +334,29 @@ def single_process_steps(model: nn.Module, ids: torch.Tensor, steps: int, lr: fl
         opt.zero_grad()
         params.append({n: p.detach().clone() for n, p in model.named_parameters()})
     return grads, params
+
+
+def accumulated_steps(model: nn.Module, micro_batches, steps: int, lr: float) -> list[dict]:
+    """What sharded training reproduces bit for bit: ``steps`` AdamW steps of ``model`` in one
+    process, each accumulating the gradients of ``micro_batches`` (one per rank) in rank order,
+    ``((g0 + g1) + g2) + ...``, then dividing the sum by their number. Returns the parameters after
+    every step. :func:`single_process_steps` (one backward over the whole batch) differs from it
+    in the last bits: its matrix products sum over all the batch's tokens in another order."""
+    micro_batches = list(micro_batches)
+    if not micro_batches:
+        raise ValueError("micro_batches must hold at least one batch of ids")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    params = []
+    for _ in range(steps):
+        for ids in micro_batches:
+            next_token_loss(model, ids).backward()        # adds into p.grad: the sum in rank order
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.div_(len(micro_batches))
+        opt.step()
+        opt.zero_grad()
+        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return params
 
 
 def demo(rank: int, world_size: int, steps: int = 3, batch_per_rank: int = 2, seq: int = 33,

@@ -64,6 +64,7 @@ import torch.distributed as dist
 import torch.utils.weak
 
 from llmu.parallel.data_parallel import require_process_group
+from llmu.parallel.ordered_reduce import check_reduce_order, reduce_scatter_in_rank_order
 
 __all__ = ["ShardedOptimizer", "FlatGroup", "ELEMENTWISE_OPTIMIZERS", "WHOLE_TENSOR_OPTIMIZERS",
            "check_optimizer_class"]
@@ -232,8 +233,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     group's options go to the wrapped optimizer's matching group. All the tensors of a group
     need one floating dtype and one device, and ``requires_grad=True``. ``optimizer_cls``: see
     :func:`check_optimizer_class` (``assume_elementwise`` lets through an optimizer class outside
-    :data:`ELEMENTWISE_OPTIMIZERS` that you know to be element-wise). ``kwargs``: its keyword
-    arguments.
+    :data:`ELEMENTWISE_OPTIMIZERS` that you know to be element-wise). ``reduce_order``:
+    ``"rank"`` (default) sums the ranks' gradients in rank order, so that training is bit-identical
+    to one process accumulating the same micro-batches in that order, on any number of ranks;
+    ``"collective"``: the backend's reduce-scatter (:mod:`llmu.parallel.ordered_reduce`).
+    ``kwargs``: the optimizer's keyword arguments.
 
     Attributes: ``optimizer`` (the wrapped optimizer, over the slices; its ``state`` is this
     rank's share), ``flat_groups``, ``world_size``, ``rank``. ``param_groups`` are the full
@@ -242,8 +246,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params, optimizer_cls, *, group=None, average_gradients: bool = True,
-                 assume_elementwise: bool = False, **kwargs):
+                 assume_elementwise: bool = False, reduce_order: str = "rank", **kwargs):
         check_optimizer_class(optimizer_cls, kwargs, assume_elementwise=assume_elementwise)
+        self.reduce_order = check_reduce_order(reduce_order)
         if not isinstance(average_gradients, bool):
             raise TypeError(f"average_gradients must be True or False, got {average_gradients!r}")
         groups = _param_groups(params)
@@ -340,7 +345,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             p.grad = slot
         if self.average_gradients:
             mine = torch.empty_like(fg.shard)
-            _reduce_scatter(mine, fg.grad, group=self.group)
+            if self.reduce_order == "rank":         # g0 + g1 + ... in rank order: exact
+                reduce_scatter_in_rank_order(mine, fg.grad, self.group)
+            else:
+                _reduce_scatter(mine, fg.grad, group=self.group)
             fg.shard.grad = mine.div_(self.world_size)
         else:
             fg.shard.grad = fg.grad[fg.owned].clone()

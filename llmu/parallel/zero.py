@@ -73,6 +73,15 @@ views counts once), and the wrapper records the peak of that sum during each ste
 every gather, in every gradient hook while autograd's gradient is still alive, and around the
 update). Activations are not counted: they are the same for every stage.
 
+**Bit-exact training.** The gradient of a step is the average of the ranks' gradients, and how
+that sum is ordered decides its last bits. By default the sum is taken in rank order
+(``reduce_order="rank"``, :mod:`llmu.parallel.ordered_reduce`), as one process accumulating the
+ranks' micro-batches one after the other would take it; AdamW and the other element-wise
+optimizers then update each element exactly as the unsharded optimizer does, so every stage ends
+at parameters ``torch.equal`` to that process's, on any number of ranks. One backward over the
+whole batch at once is a different computation (its matrix products sum over all the tokens in
+their own blocking) and stays a few ulps away.
+
 Call order matters as in any data parallelism: every rank runs the same forward and backward, so
 the collectives issued from the hooks pair up. A unit none of whose parameters received a
 gradient on any rank is skipped; a unit some of whose parameters got none is completed with zeros.
@@ -94,8 +103,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from llmu.parallel.data_parallel import (broadcast_module, next_token_loss, require_process_group, single_process_steps,
-                                         tensors_in)
+from llmu.parallel.data_parallel import (accumulated_steps, broadcast_module, next_token_loss, require_process_group,
+                                         single_process_steps, tensors_in)
+from llmu.parallel.ordered_reduce import all_reduce_in_rank_order, check_reduce_order, reduce_scatter_in_rank_order
 from llmu.parallel.sharded_optimizer import _claim, _owner, _release, check_optimizer_class
 
 __all__ = ["STAGES", "PRECISIONS", "COMPUTE_DTYPES", "ZeRO", "FlatUnit", "default_units", "zero_memory_formula",
@@ -251,6 +261,12 @@ class ZeRO(nn.Module):
     from that element alone (see :func:`~llmu.parallel.sharded_optimizer.check_optimizer_class`;
     ``assume_elementwise=True`` vouches for a class it does not know).
 
+    ``reduce_order``: ``"rank"`` (default) sums the ranks' gradients in rank order,
+    ``((g0 + g1) + g2) + ...`` (:mod:`llmu.parallel.ordered_reduce`: an all-to-all, then the sum on
+    the receiving rank), the order of one process accumulating the same micro-batches, so float32
+    training is bit-identical to it on any number of ranks; ``"collective"`` uses the backend's
+    reduce-scatter and all-reduce, whose order differs from 3 ranks on (a few ulps per step).
+
     ``units``: submodules whose parameters form one flat buffer each (default
     :func:`default_units`); trainable parameters outside them form one more unit around the whole
     module. All trainable parameters must be float32.
@@ -299,7 +315,7 @@ class ZeRO(nn.Module):
 
     def __init__(self, module: nn.Module, stage: int, optimizer_cls=torch.optim.AdamW, *,
                  units: list[nn.Module] | None = None, group=None, compute_dtype=None,
-                 assume_elementwise: bool = False, **optimizer_kwargs):
+                 assume_elementwise: bool = False, reduce_order: str = "rank", **optimizer_kwargs):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -307,6 +323,7 @@ class ZeRO(nn.Module):
             raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
         check_optimizer_class(optimizer_cls, optimizer_kwargs, assume_elementwise=assume_elementwise, what="ZeRO")
         self.compute_dtype = _check_compute_dtype(compute_dtype)
+        self.reduce_order = check_reduce_order(reduce_order)
         self.mixed = self.compute_dtype != torch.float32
         self.assume_elementwise = assume_elementwise
         # Step 1: which parameters go in which unit
@@ -508,7 +525,10 @@ class ZeRO(nn.Module):
             return
         # Each rank receives the sum of its own slice only; then the full gradient goes
         mine = torch.empty_like(unit.shard)
-        _reduce_scatter(mine, unit.full_grad, group=self.group)
+        if self.reduce_order == "rank":             # summed g0 + g1 + ... in rank order: exact
+            reduce_scatter_in_rank_order(mine, unit.full_grad, self.group)
+        else:
+            _reduce_scatter(mine, unit.full_grad, group=self.group)
         unit.shard.grad.add_(mine.div_(self.world_size))
         self._sample()
         unit.full_grad = None
@@ -550,7 +570,10 @@ class ZeRO(nn.Module):
                 self._free(unit)
         if self.stage <= 1:
             for unit in self.units:
-                dist.all_reduce(unit.full_grad, group=self.group)
+                if self.reduce_order == "rank":
+                    all_reduce_in_rank_order(unit.full_grad, self.group)
+                else:
+                    dist.all_reduce(unit.full_grad, group=self.group)
                 unit.full_grad.div_(self.world_size)
         self._reduced = True
 
@@ -788,7 +811,9 @@ def demo(rank: int, world_size: int, steps: int = 3, batch_per_rank: int = 2, se
     batch (``world_size * batch_per_rank`` sequences) from ``seed``, and for each stage trains a
     ZeRO copy on its shard. Returns a dict: ``num_params`` (Ψ), ``padded_params``, ``units`` (name
     and size of each flat unit), and per stage ``max_abs_error`` (per step, largest parameter
-    difference from the single process trained on the whole batch), ``memory`` (bytes held after
+    difference from the single process trained on the whole batch), ``bit_exact`` (per step, whether
+    every parameter is ``torch.equal`` to one process accumulating the ranks' micro-batches in rank
+    order: :func:`~llmu.parallel.data_parallel.accumulated_steps`), ``memory`` (bytes held after
     the last step), ``peak`` (the largest during the last step), ``formula`` (the float32 formula
     for Ψ) and, in stage 3, ``events`` (the gathers and frees of the last step). With ``fsdp2``,
     ``fsdp2_vs_zero3``: the largest difference between FSDP2's parameters and ZeRO-3's after the
@@ -800,12 +825,13 @@ def demo(rank: int, world_size: int, steps: int = 3, batch_per_rank: int = 2, se
     mine = ids[rank * batch_per_rank:(rank + 1) * batch_per_rank]
 
     _, ref_steps = single_process_steps(reference, ids, steps, lr)     # the whole batch, one process
+    accumulated = accumulated_steps(_tiny_model(seed, **model_overrides), ids.chunk(world_size), steps, lr)
 
     result: dict = {"stages": {}}
     zero3_final = None
     for stage in stages:
         zero = ZeRO(_tiny_model(seed, **model_overrides), stage, lr=lr)
-        errors = []
+        errors, exact = [], []
         for step in range(steps):
             zero.zero_grad()
             next_token_loss(zero, mine).backward()
@@ -813,8 +839,9 @@ def demo(rank: int, world_size: int, steps: int = 3, batch_per_rank: int = 2, se
             events = list(zero.events)              # before full_parameters' own gathers
             full = zero.full_parameters()
             errors.append(max((full[n] - ref_steps[step][n]).abs().max().item() for n in full))
+            exact.append(all(torch.equal(full[n], accumulated[step][n]) for n in full))
         result["stages"][stage] = {
-            "max_abs_error": errors, "memory": zero.memory(), "peak": dict(zero.peak),
+            "max_abs_error": errors, "bit_exact": exact, "memory": zero.memory(), "peak": dict(zero.peak),
             "formula": zero_memory_formula(zero.num_params, world_size, stage),
             "events": events if stage == 3 else None}
         result.update(num_params=zero.num_params, padded_params=zero.padded_params,

@@ -15,6 +15,10 @@ Tolerances, float32 (the reasoning of test_data_parallel.py: ZeRO is data parall
 - memory: exact. The measured bytes are the padded formula's plus one 4-byte AdamW step counter
   per shard; the padded and unpadded formulas differ by less than 16 bytes x (W - 1) per unit.
 
+Bit for bit on 3 and 4 ranks: every stage, and ShardedOptimizer, against one process
+accumulating the same micro-batches (the gradients summed in rank order by default); the
+backend's own order (``reduce_order="collective"``) stays within the tolerance above.
+
 Then, on 2 ranks and bit for bit (``torch.equal``) against one process doing the ranks' own
 arithmetic (see the comment above ``_by_hand``): SGD with momentum, Adam and AdamW in every stage;
 an optimizer built over ``zero.parameters()`` (the shards) in every stage, and one over the
@@ -33,7 +37,7 @@ import llmu  # noqa: F401  (sets the Triton mode before anything imports triton)
 from llmu.distributed import launch
 from llmu.models import tiny_llama
 from llmu.parallel import zero as Z
-from llmu.parallel.data_parallel import next_token_loss, single_process_steps
+from llmu.parallel.data_parallel import accumulated_steps, next_token_loss, single_process_steps
 from llmu.parallel.sharded_optimizer import ShardedOptimizer
 
 GRAD_RTOL = 1e-6
@@ -150,6 +154,7 @@ def test_zero_equals_single_process_and_fsdp2(world):
         demo = results[0]["demo"]
         assert set(demo["stages"]) == {3} and [row["stage"] for row in demo["table"]] == list(Z.STAGES)
         assert max(demo["stages"][3]["max_abs_error"]) <= PARAM_ATOL
+        assert demo["stages"][3]["bit_exact"] == [True], demo["stages"][3]["bit_exact"]
         assert demo["table"][3]["measured_params"] == demo["stages"][3]["memory"]["params"]
 
 
@@ -461,3 +466,118 @@ def test_zero_refuses_bad_optimizer_and_precision_arguments():
             Z.ZeRO(_model(), 1, compute_dtype=bad)
     with pytest.raises(TypeError, match="keep them float32 and pass compute_dtype"):
         Z.ZeRO(_model().bfloat16(), 1, compute_dtype=torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------
+# bit-exact on any number of ranks: the gradients summed in rank order (llmu.parallel.ordered_reduce)
+# ---------------------------------------------------------------------------------------------
+#
+# From 3 ranks on, the order in which a collective adds the ranks' gradients changes their last
+# bits. ZeRO's default, reduce_order="rank", adds them as ((g0 + g1) + g2) + ..., the order of one
+# process accumulating the same micro-batches; every stage then ends each step at parameters
+# torch.equal to that process's (llmu.parallel.data_parallel.accumulated_steps: the sum, then / W).
+# With 4 ranks the division by 4 is exact, so the plain accumulation loop, (loss / 4).backward()
+# per micro-batch, matches too; with 3, dividing each micro-batch's loss by 3 first rounds
+# differently, so that loop is not a reference there.
+
+def _accumulating(batches, steps):
+    """One process, AdamW (ZeRO's default), each step: ``(loss / W).backward()`` per micro-batch in
+    order, then the update. Returns the parameters after every step."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    history = []
+    for _ in range(steps):
+        for ids in batches:
+            (next_token_loss(model, ids) / len(batches)).backward()
+        opt.step()
+        opt.zero_grad()
+        history.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return history
+
+
+def _values_whose_sum_depends_on_order(rank, world, n):
+    """Rank ``rank``'s input: large values of both signs and small ones, so that adding the
+    ranks in another order changes the last bits of many elements."""
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(n, generator=g) * 10.0 ** torch.randint(-3, 4, (n,), generator=g)
+
+
+def _exact(rank, world):
+    from llmu.parallel.ordered_reduce import all_reduce_in_rank_order, reduce_scatter_in_rank_order
+
+    out = {}
+    # the primitives, against the sum in rank order computed locally from every rank's input
+    n = 6 * world
+    inputs = [_values_whose_sum_depends_on_order(r, world, n) for r in range(world)]
+    in_order, reversed_order = inputs[0].clone(), inputs[-1].clone()
+    for x in inputs[1:]:
+        in_order += x
+    for x in inputs[-2::-1]:
+        reversed_order += x
+    mine = torch.empty(6)
+    reduce_scatter_in_rank_order(mine, inputs[rank].clone())
+    out["reduce_scatter"] = torch.equal(mine, in_order.view(world, 6)[rank])
+    out["order_matters"] = not torch.equal(in_order, reversed_order)   # else this check could not fail
+    odd = inputs[rank][:5 * world + 1].clone().view(-1, 1)               # not a multiple of the world size
+    out["all_reduce"] = torch.equal(all_reduce_in_rank_order(odd).view(-1), in_order[:5 * world + 1])
+
+    # training: 9 or 8 sequences, an equal share per rank, 3 AdamW steps
+    batches = torch.randint(97, (3 * world if world % 2 else 2 * world, SEQ),
+                            generator=torch.Generator().manual_seed(1)).chunk(world)
+    by_hand = accumulated_steps(_model(), batches, STEPS, LR)
+    accumulated = _accumulating(batches, STEPS) if world & (world - 1) == 0 else None
+    for stage in Z.STAGES:
+        zero = Z.ZeRO(_model(), stage, lr=LR)
+        diffs = []
+        for step in range(STEPS):
+            zero.zero_grad()
+            next_token_loss(zero, batches[rank]).backward()
+            zero.step()
+            full = zero.full_parameters()
+            diffs.append((_differ(full, by_hand[step]), _differ(full, accumulated[step]) if accumulated else []))
+        out["zero", stage] = diffs
+    # ZeRO-1 without hooks: ShardedOptimizer over a plain model
+    model = _model()
+    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR)
+    diffs = []
+    for step in range(STEPS):
+        next_token_loss(model, batches[rank]).backward()
+        opt.step()
+        opt.zero_grad()
+        diffs.append(_differ(dict(model.named_parameters()), by_hand[step]))
+    out["sharded optimizer"] = diffs
+    # the backend's own order is still there, and close
+    zero = Z.ZeRO(_model(), 3, lr=LR, reduce_order="collective")
+    for step in range(STEPS):
+        zero.zero_grad()
+        next_token_loss(zero, batches[rank]).backward()
+        zero.step()
+    out["collective error"] = max((zero.full_parameters()[n] - by_hand[-1][n]).abs().max().item() for n in by_hand[-1])
+    return out
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_every_stage_is_bit_exact_on_any_number_of_ranks(world):
+    results = launch(_exact, world)
+    problems = []
+    for rank, out in enumerate(results):
+        for key in ("reduce_scatter", "all_reduce", "order_matters"):
+            if not out[key]:
+                problems.append(f"rank {rank}: {key} failed")
+        for stage in Z.STAGES:
+            for step, (vs_by_hand, vs_accumulated) in enumerate(out["zero", stage]):
+                if vs_by_hand or vs_accumulated:
+                    problems.append(f"rank {rank}, stage {stage}, step {step}: parameters differ from one process "
+                                    f"(accumulated_steps: {vs_by_hand}; accumulating loss / W: {vs_accumulated})")
+        if any(out["sharded optimizer"]):
+            problems.append(f"rank {rank}: ShardedOptimizer differs per step: {out['sharded optimizer']}")
+        if not out["collective error"] <= PARAM_ATOL:
+            problems.append(f"rank {rank}: reduce_order='collective' is {out['collective error']:.3g} away")
+    assert not problems, "\n".join(problems)
+
+
+def test_reduce_order_is_checked():
+    with pytest.raises(ValueError, match="reduce_order must be one of"):
+        Z.ZeRO(_model(), 1, reduce_order="ring")
+    with pytest.raises(ValueError, match="reduce_order must be one of"):
+        ShardedOptimizer(_model().parameters(), torch.optim.SGD, lr=0.1, reduce_order=None)
