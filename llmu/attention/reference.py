@@ -3,6 +3,10 @@
 Shapes follow the course's convention: ``q`` is ``(batch, n_heads, q_len, head_dim)`` and ``k``,
 ``v`` are ``(batch, n_kv_heads, kv_len, head_dim)``. With fewer KV heads than query heads
 (grouped-query attention) each KV head serves ``n_heads // n_kv_heads`` consecutive query heads.
+
+Which keys a query may see is said by a boolean mask, True = attend (PyTorch's convention for a
+boolean ``attn_mask``): ``causal=True`` builds the causal one, ``mask=`` takes any other (padding,
+a document boundary, a sliding window), broadcast over the batch and the heads; both may be given.
 """
 
 from __future__ import annotations
@@ -46,39 +50,103 @@ def causal_mask(q_len: int, kv_len: int, device=None) -> torch.Tensor:
     return j <= i + offset
 
 
+def check_attention_mask(mask, shape: tuple[int, int, int, int], device=None) -> torch.Tensor:
+    """Check a boolean attention ``mask`` against the scores' shape ``(B, H, Tq, Tk)``; return it.
+
+    ``mask`` is True where a query may attend to a key. It may have any shape that broadcasts to
+    ``(B, H, Tq, Tk)`` without being made larger: ``(Tq, Tk)`` for one pattern shared by the
+    whole batch, ``(B, 1, Tq, Tk)`` for one per sequence, shared by its heads (a padding mask),
+    ``(B, 1, 1, Tk)`` for one set of visible keys per sequence, ``(B, H, Tq, Tk)`` for everything.
+    Broadcasting lines the shapes up from the right, as torch does. The mask is returned as it
+    came (not expanded: broadcasting costs nothing).
+    """
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a bool torch.Tensor (True = attend), got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must have dtype torch.bool (True = attend), got {mask.dtype}; an additive float "
+                        "mask is not accepted: for one of 0 (attend) and -inf (do not), pass `mask == 0`")
+    if mask.ndim > 4:
+        raise ValueError(f"mask must have at most 4 dimensions (B, H, Tq, Tk), got shape {tuple(mask.shape)}")
+    shape = tuple(shape)
+    try:
+        broadcast = torch.broadcast_shapes(tuple(mask.shape), shape)
+    except RuntimeError:
+        broadcast = None
+    if broadcast != shape:
+        raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to the scores' shape "
+                         f"(B, H, Tq, Tk) = {shape}; use e.g. (Tq, Tk), (B, 1, Tq, Tk) or (B, H, Tq, Tk)")
+    if device is not None and mask.device != torch.device(device):
+        raise ValueError(f"mask must be on q's device ({device}), got {mask.device}")
+    return mask
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     *,
     causal: bool = False,
+    mask: torch.Tensor | None = None,
     scale: float | None = None,
     return_weights: bool = False,
 ):
     """Naive scaled dot-product attention, materialising the full score matrix.
 
-    ``softmax(q k^T * scale + mask) v`` with ``scale = 1/sqrt(head_dim)`` by default. Computed in
-    float32; the output has ``q``'s dtype. With ``return_weights`` also returns the
-    ``(B, H, q_len, kv_len)`` attention probabilities.
+    ``softmax(q k^T * scale + mask) v`` with ``scale = 1/sqrt(head_dim)`` by default:
+
+    - ``q`` ``(B, H, Tq, D)``, ``k`` ``(B, Hkv, Tk, D)``, ``v`` ``(B, Hkv, Tk, Dv)``: ``H`` a multiple
+      of ``Hkv`` (grouped-query attention); ``v``'s head size may differ from ``q``/``k``'s (the
+      output has ``Dv`` channels, as in MLA), but ``k`` and ``v`` agree on batch, heads and length.
+    - ``causal``: query ``i`` sees keys up to its own position, the queries being the *last* ``Tq``
+      of the ``Tk`` positions (see :func:`causal_mask`).
+    - ``mask``: bool, True = may attend, any shape that broadcasts to ``(B, H, Tq, Tk)`` (see
+      :func:`check_attention_mask`). With ``causal`` too, a key must be allowed by both.
+
+    A query row that may attend to no key at all (every entry of its mask False, a padding query
+    in a padded batch) has no softmax: its weights are all zero and its output is zero, as
+    FlashAttention and PyTorch's ``scaled_dot_product_attention`` do, rather than ``0/0 = NaN``
+    that would poison every later layer (a NaN value times a zero weight is still NaN).
+
+    Computed in float32; the output has ``q``'s dtype. With ``return_weights`` also returns the
+    ``(B, H, Tq, Tk)`` attention probabilities (float32).
     """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(
             f"q, k, v must be 4-D (batch, heads, seq, head_dim); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must agree in batch, heads and length (only head_dim may differ), got "
+                         f"k {tuple(k.shape)} and v {tuple(v.shape)}")
     b, h, tq, d = q.shape
     if k.shape[0] != b or k.shape[3] != d:
         raise ValueError(f"k must be (batch={b}, kv_heads, kv_len, head_dim={d}), got {tuple(k.shape)}")
-    hkv = k.shape[1]
-    if h % hkv:
+    hkv, tk = k.shape[1], k.shape[2]
+    if hkv == 0 or h % hkv:
         raise ValueError(f"the number of query heads ({h}) must be a multiple of the KV heads ({hkv})")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale must be a number or None, got {scale!r}")
+    if mask is not None:
+        check_attention_mask(mask, (b, h, tq, tk), q.device)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    # 1. every query head reads its group's keys and values
     kf = repeat_kv(k.float(), h // hkv)
     vf = repeat_kv(v.float(), h // hkv)
+    # 2. all the scores at once: (B, H, Tq, Tk)
     scores = (q.float() @ kf.transpose(-1, -2)) * scale
+    # 3. what a query may not see gets -inf, so exp() gives it weight 0
+    allowed = mask
     if causal:
-        scores = scores.masked_fill(~causal_mask(tq, k.shape[2], device=q.device), float("-inf"))
+        allowed = causal_mask(tq, tk, device=q.device) if mask is None else mask & causal_mask(tq, tk, device=q.device)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
     p = torch.softmax(scores, dim=-1)
+    if mask is not None:
+        # 4. a row with no allowed key is all -inf: softmax gives NaN there; it attends to nothing
+        p = p.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)
     out = (p @ vf).to(q.dtype)
     return (out, p) if return_weights else out

@@ -24,17 +24,35 @@ from llmu.models.backends import register_attention_backend
 __all__ = ["flash_attention", "FlashAttentionFunction", "HEAD_DIMS", "flash_backend", "flash_torch_backend", "reference"]
 
 
-def flash_backend(q, k, v, *, causal: bool = False, scale: float | None = None, return_weights: bool = False):
-    """The attention-backend signature around :func:`llmu.flash.kernels.flash_attention`."""
+def _refuse_general(name: str, v, q, mask) -> None:
+    """The FlashAttention kernels here do causal or full attention with one head size: refuse the rest."""
+    if mask is not None:
+        raise ValueError(f"the {name!r} attention backend does not take a mask (it knows only causal=); "
+                         "use the 'naive' or 'sdpa' backend for a boolean mask")
+    if getattr(v, "ndim", 0) == 4 and getattr(q, "ndim", 0) == 4 and v.shape[-1] != q.shape[-1]:
+        raise ValueError(f"the {name!r} attention backend needs v's head_dim equal to q's and k's, got "
+                         f"{v.shape[-1]} and {q.shape[-1]}; use the 'naive' or 'sdpa' backend for d_v != d_k")
+
+
+def flash_backend(q, k, v, *, causal: bool = False, mask=None, scale: float | None = None,
+                  return_weights: bool = False):
+    """The attention-backend signature around :func:`llmu.flash.kernels.flash_attention`.
+
+    No ``mask`` and no ``d_v != d_k``: both are refused with a ``ValueError``."""
     if return_weights:
         raise ValueError("the 'flash' attention backend never forms the attention weights; use 'naive' to see them")
+    _refuse_general("flash", v, q, mask)
     return flash_attention(q, k, v, causal=causal, scale=scale)
 
 
-def flash_torch_backend(q, k, v, *, causal: bool = False, scale: float | None = None, return_weights: bool = False):
-    """The attention-backend signature around the torch tiled reference (forward only)."""
+def flash_torch_backend(q, k, v, *, causal: bool = False, mask=None, scale: float | None = None,
+                        return_weights: bool = False):
+    """The attention-backend signature around the torch tiled reference (forward only).
+
+    No ``mask`` and no ``d_v != d_k``: both are refused with a ``ValueError``."""
     if return_weights:
         raise ValueError("the 'flash_torch' attention backend never forms the attention weights; use 'naive'")
+    _refuse_general("flash_torch", v, q, mask)
     return reference.flash_attention(q, k, v, causal=causal, scale=scale)[0]
 
 

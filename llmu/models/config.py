@@ -10,6 +10,9 @@ from dataclasses import asdict, dataclass, field
 
 from llmu.checks import require_positive
 
+#: What ``LlamaConfig.position_embedding`` may be: rotary embeddings, or none at all (NoPE).
+POSITION_EMBEDDINGS = ("rope", "none")
+
 
 @dataclass
 class LlamaConfig:
@@ -18,7 +21,11 @@ class LlamaConfig:
     ``rope_layout`` says which channels of a head RoPE rotates together: ``"half"`` (channel ``i``
     with ``i + head_dim/2``, the Hugging Face convention) or ``"interleaved"`` (``2i`` with
     ``2i + 1``, llama.cpp's). It must match how the checkpoint's Q/K projection rows are ordered;
-    see ``llmu.models.loading``.
+    see ``llmu.models.loading`` and, for the two layouts, ``llmu.layers.reference``.
+
+    ``position_embedding`` says how attention learns where a token is: ``"rope"`` (rotary
+    embeddings, every Llama) or ``"none"`` (NoPE: queries and keys are not rotated; the causal
+    mask alone tells a token how many came before it).
     """
 
     vocab_size: int = 49152
@@ -36,6 +43,7 @@ class LlamaConfig:
     eos_token_id: int | list[int] | None = 2
     pad_token_id: int | None = 2
     rope_layout: str = "half"
+    position_embedding: str = "rope"  # "rope" or "none" (NoPE)
     rope_scaling: dict | None = None  # e.g. Llama 3's {"rope_type": "llama3", "factor": 32.0, ...}
     attention_bias: bool = False  # q/k/v projections with a bias (Qwen2; Llama's attention_bias)
     attention_out_bias: bool = False  # o_proj with a bias (Llama's attention_bias, not Qwen2)
@@ -55,7 +63,10 @@ class LlamaConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
-        if self.head_dim % 2:
+        if self.position_embedding not in POSITION_EMBEDDINGS:
+            raise ValueError(f"position_embedding must be one of {POSITION_EMBEDDINGS} ('none': no rotation, "
+                             f"NoPE), got {self.position_embedding!r}")
+        if self.head_dim % 2 and self.position_embedding == "rope":
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))

@@ -21,6 +21,13 @@ by hand from the same weights and compare. Three parts are pluggable:
   through the block tables itself (``llmu.paged.PagedBatch``);
 - weight format: every projection is a :class:`Linear`; ``model.replace_linears(fn)`` swaps them
   (for a quantized format, say) without touching the rest.
+
+Positions: by default RoPE rotates queries and keys by their positions (``config.rope_layout``
+says which channels pair up); ``LlamaConfig(position_embedding="none")`` builds a NoPE model that
+rotates nothing. A batch whose rows start at different positions (left padding) passes
+``position_ids`` ``(B, T)`` and an ``attention_mask`` that hides the padding (see
+:meth:`LlamaModel.forward`). The default call (no ``position_ids``, no mask) decides this once per
+forward pass and runs exactly the tensor operations it always did.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmu.attention.reference import check_attention_mask
 from llmu.layers.reference import apply_rope, rms_norm, rope_angles, silu_mul
 from llmu.models.backends import get_attention_backend
 from llmu.models.cache import KVCache
@@ -159,7 +167,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with rotary position embeddings."""
+    """Grouped-query self-attention with rotary position embeddings (or none, for a NoPE config)."""
 
     def __init__(self, config: LlamaConfig, layer_idx: int, dtype=None, device=None):
         super().__init__()
@@ -167,6 +175,7 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.rope_layout = c.rope_layout
+        self.rotary = c.position_embedding == "rope"   # False: NoPE, q and k are not rotated
         self.scale = 1.0 / math.sqrt(c.head_dim)
         q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         kw = dict(dtype=dtype, device=device)
@@ -175,28 +184,40 @@ class Attention(nn.Module):
         self.v_proj = Linear(c.hidden_size, kv_dim, bias=c.attention_bias, **kw)
         self.o_proj = Linear(q_dim, c.hidden_size, bias=c.attention_out_bias, **kw)
 
-    def forward(self, x, cos, sin, *, backend, cache: KVCache | None = None, return_weights: bool = False):
+    def forward(self, x, cos, sin, *, backend, cache: KVCache | None = None, mask: torch.Tensor | None = None,
+                return_weights: bool = False):
+        """``x`` ``(B, T, d)``; ``cos``/``sin`` ``(T, D/2)`` or per row ``(B, 1, T, D/2)`` (ignored
+        with NoPE); ``mask``: None (causal attention) or bool, True = attend, broadcastable to
+        ``(B, H, T, T_total)``, ANDed with the causal mask. Returns ``(out, weights or None)``."""
         b, t, _ = x.shape
         # 1. project, and split the channels into heads: (B, T, H*D) -> (B, H, T, D)
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        # 2. rotate queries and keys by their positions
-        q = apply_rope(q, cos, sin, self.rope_layout)
-        k = apply_rope(k, cos, sin, self.rope_layout)
+        # 2. rotate queries and keys by their positions (NoPE: leave them as they are)
+        if self.rotary:
+            q = apply_rope(q, cos, sin, self.rope_layout)
+            k = apply_rope(k, cos, sin, self.rope_layout)
         # 3. keys and values of the past come from the cache, this call's are added to it
         if cache is not None and getattr(cache, "attends", False):
             # a paged batch (module 09): the tokens belong to several sequences, each with its own
             # past in the block pool; the batch stores k, v at their slots and attends itself
             if return_weights:
                 raise ValueError("a paged batch cannot return attention weights")
+            if mask is not None:
+                raise ValueError("a paged batch takes no mask: it knows which sequence each token belongs to")
             out = cache.attend(self.layer_idx, q, k, v, scale=self.scale)
             return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)), None
         if cache is not None:
             k, v = cache.append(self.layer_idx, k, v)
         # 4. attend (causal: position i sees positions <= i), merge the heads, project back
         weights = None
-        if return_weights:
+        if mask is not None:
+            # a backend is only handed mask= when there is one (older backends lack the parameter)
+            out = backend.fn(q, k, v, causal=True, mask=mask, scale=self.scale, return_weights=return_weights)
+            if return_weights:
+                out, weights = out
+        elif return_weights:
             out, weights = backend.fn(q, k, v, causal=True, scale=self.scale, return_weights=True)
         else:
             out = backend.fn(q, k, v, causal=True, scale=self.scale)
@@ -228,8 +249,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.mlp = MLP(config, dtype, device)
 
-    def forward(self, x, cos, sin, *, backend, cache=None, return_weights=False):
-        h, weights = self.self_attn(self.input_layernorm(x), cos, sin, backend=backend, cache=cache,
+    def forward(self, x, cos, sin, *, backend, cache=None, mask=None, return_weights=False):
+        h, weights = self.self_attn(self.input_layernorm(x), cos, sin, backend=backend, cache=cache, mask=mask,
                                     return_weights=return_weights)
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x))
@@ -307,17 +328,47 @@ class LlamaModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def rope_tables(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for positions ``start .. start+length-1``, ``(length, head_dim/2)`` each.
+    def rope_tables(self, start: int, length: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """cos and sin for positions ``start .. start+length-1``, ``(length, head_dim/2)`` each;
+        ``(None, None)`` for a NoPE model (``position_embedding="none"``: nothing is rotated).
 
         Computed once (in float64, then rounded) for the model's context and sliced afterwards.
         """
+        if self.config.position_embedding != "rope":
+            return None, None
         need = start + length
         cos, sin = self._rope
         if cos is None or cos.shape[0] < need or cos.device != self.device:
             self._rope = self._compute_rope(max(need, min(self.config.max_position_embeddings, 4096)))
             cos, sin = self._rope
         return cos[start:need], sin[start:need]
+
+    def _rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """cos and sin gathered at integer ``positions`` (any shape ``S``): ``S + (head_dim/2,)`` each."""
+        cos, sin = self.rope_tables(0, int(positions.max()) + 1)
+        if cos is None:
+            return None, None
+        return cos[positions], sin[positions]
+
+    def _attention_mask(self, mask, batch: int, t: int, past: int) -> torch.Tensor:
+        """``attention_mask`` checked and shaped for the backends: ``(B, 1, 1, Tk)`` or as given (4-D)."""
+        tk = past + t
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"attention_mask must be a bool torch.Tensor (True = attend), got {type(mask).__name__}")
+        if mask.dtype != torch.bool:
+            raise TypeError(f"attention_mask must have dtype torch.bool (True = attend), got {mask.dtype}; "
+                            "a 0/1 padding mask m becomes `m.bool()`")
+        mask = mask.to(self.device)
+        if mask.ndim == 2:
+            if tuple(mask.shape) != (batch, tk):
+                raise ValueError(f"a 2-D attention_mask marks the keys each row may see: it must be (batch, "
+                                 f"cached + new tokens) = {(batch, tk)}, got {tuple(mask.shape)}")
+            return mask[:, None, None, :]
+        if mask.ndim == 4:
+            return check_attention_mask(mask, (batch, self.config.num_attention_heads, t, tk))
+        raise ValueError(f"attention_mask must be (batch, keys) = {(batch, tk)} or 4-D, broadcastable to "
+                         f"(batch, heads, queries, keys) = {(batch, self.config.num_attention_heads, t, tk)}; "
+                         f"got shape {tuple(mask.shape)}")
 
     @torch.inference_mode(False)
     def _compute_rope(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,7 +386,8 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, *, cache: KVCache | None = None, position: int | None = None,
                 output_hidden_states: bool = False, output_attentions: bool = False,
                 last_only: bool = False, positions: torch.Tensor | None = None,
-                logits_at: torch.Tensor | None = None) -> ModelOutput:
+                logits_at: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> ModelOutput:
         """Logits for every position of ``input_ids`` (``(B, T)`` int64; a 1-D tensor or a list is
         taken as one sequence).
 
@@ -350,6 +402,16 @@ class LlamaModel(nn.Module):
         (``(T,)`` ints) gives each token its own position, ``cache`` is then a paged batch
         (``llmu.paged.PagedBatch``) that knows which sequence each token belongs to, and
         ``logits_at`` (``(K,)`` indices into the T tokens) picks the tokens whose logits are needed.
+
+        Rows at different positions (a left-padded batch, rows decoded together from different
+        lengths): ``position_ids`` (``(B, T)`` ints >= 0) gives every token of every row its own
+        position (RoPE's cos and sin are gathered per row, ``(B, 1, T, head_dim/2)``); it may be
+        used with a :class:`KVCache` (keys and values are still appended at ``cache.length``).
+        ``attention_mask`` (bool, True = attend) hides keys, on top of the causal mask: ``(B, Tk)``
+        says which of the ``Tk = cache.length + T`` keys of each row are real tokens (False for
+        padding), a 4-D one broadcastable to ``(B, H, T, Tk)`` is passed to the backend as it is.
+        A query that sees no key (a padding token) gets zeros. ``position_ids`` is not derived from
+        the mask: pass both. Backends that take no mask (``"flash"``) refuse it.
         """
         if not isinstance(input_ids, torch.Tensor):
             input_ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
@@ -364,7 +426,22 @@ class LlamaModel(nn.Module):
         input_ids = input_ids.to(self.device)
         t = input_ids.shape[1]
         paged = cache is not None and getattr(cache, "attends", False)
-        if positions is not None:
+        if position_ids is not None:
+            if position is not None or positions is not None:
+                raise ValueError("pass one of position, positions and position_ids, not several")
+            if paged:
+                raise ValueError("a paged batch takes positions= (one row of packed tokens), not position_ids=")
+            position_ids = torch.as_tensor(position_ids, device=self.device)
+            if tuple(position_ids.shape) != tuple(input_ids.shape) or position_ids.is_floating_point() \
+                    or position_ids.dtype == torch.bool:
+                raise ValueError(f"position_ids must be integers shaped like input_ids {tuple(input_ids.shape)}, "
+                                 f"got {tuple(position_ids.shape)} {position_ids.dtype}")
+            if int(position_ids.min()) < 0:
+                raise ValueError("position_ids must be >= 0")
+            cos, sin = self._rope_at(position_ids)                # (B, T, D/2)
+            if cos is not None:
+                cos, sin = cos[:, None], sin[:, None]             # (B, 1, T, D/2): shared by the heads
+        elif positions is not None:
             if position is not None:
                 raise ValueError("pass either position (of the first token) or positions (of every token), not both")
             positions = torch.as_tensor(positions, device=self.device)
@@ -373,8 +450,7 @@ class LlamaModel(nn.Module):
                                  f"{positions.dtype}")
             if int(positions.min()) < 0:
                 raise ValueError("positions must be >= 0")
-            cos, sin = self.rope_tables(0, int(positions.max()) + 1)
-            cos, sin = cos[positions], sin[positions]
+            cos, sin = self._rope_at(positions)
         elif paged:
             raise ValueError("a paged batch needs positions= (the position of every packed token)")
         else:
@@ -385,6 +461,11 @@ class LlamaModel(nn.Module):
             cos, sin = self.rope_tables(position, t)
         if logits_at is not None and (last_only or output_hidden_states):
             raise ValueError("logits_at cannot be combined with last_only or output_hidden_states")
+        mask = None
+        if attention_mask is not None:
+            if paged:
+                raise ValueError("a paged batch takes no attention_mask: it knows which sequence each token belongs to")
+            mask = self._attention_mask(attention_mask, input_ids.shape[0], t, cache.length if cache is not None else 0)
         backend = self.attention_backend
         if output_attentions and not backend.returns_weights:
             backend = get_attention_backend("naive")
@@ -393,7 +474,7 @@ class LlamaModel(nn.Module):
         hidden = [x] if output_hidden_states else None
         attentions = [] if output_attentions else None
         for layer in self.layers:
-            x, weights = layer(x, cos, sin, backend=backend, cache=cache, return_weights=output_attentions)
+            x, weights = layer(x, cos, sin, backend=backend, cache=cache, mask=mask, return_weights=output_attentions)
             if output_hidden_states:
                 hidden.append(x)
             if output_attentions:
@@ -427,7 +508,8 @@ class LlamaModel(nn.Module):
         return total
 
     def extra_repr(self) -> str:
-        return f"attention={self.attention!r}, rope_layout={self.config.rope_layout!r}"
+        return (f"attention={self.attention!r}, position_embedding={self.config.position_embedding!r}, "
+                f"rope_layout={self.config.rope_layout!r}")
 
 
 #: The configuration of :func:`tiny_llama`: two layers, six query heads sharing two KV heads.

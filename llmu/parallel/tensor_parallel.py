@@ -395,7 +395,8 @@ class TensorParallelAttention(nn.Module):
     product).
 
     ``forward(x, cos, sin)``: ``x`` ``(B, T, d_model)`` replicated, ``cos``/``sin`` the RoPE tables
-    ``(T, head_dim/2)``; returns ``(B, T, d_model)`` on every rank, what
+    ``(T, head_dim/2)``, or ``None`` for a NoPE model (``model.rope_tables`` gives ``None`` then:
+    nothing is rotated); returns ``(B, T, d_model)`` on every rank, what
     ``llmu.models.llama.Attention`` gives (causal). ``backend``: the name of an attention backend
     (``llmu.models.backends``), llmu's reference ``"naive"`` by default.
     """
@@ -437,9 +438,10 @@ class TensorParallelAttention(nn.Module):
         q = self.q_proj(x).view(b, t, self.local_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.local_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.local_kv_heads, self.head_dim).transpose(1, 2)
-        # 2. RoPE and causal attention, per head: nothing to exchange
-        q = apply_rope(q, cos, sin, self.rope_layout)
-        k = apply_rope(k, cos, sin, self.rope_layout)
+        # 2. RoPE (none for a NoPE model) and causal attention, per head: nothing to exchange
+        if cos is not None:
+            q = apply_rope(q, cos, sin, self.rope_layout)
+            k = apply_rope(k, cos, sin, self.rope_layout)
         out = self.backend.fn(q, k, v, causal=True, scale=self.scale)
         # 3. this rank's heads through its columns of o_proj; g sums the ranks' partial outputs
         out = out.transpose(1, 2).reshape(b, t, self.local_heads * self.head_dim)

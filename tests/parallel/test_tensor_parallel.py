@@ -216,6 +216,13 @@ def test_demo_two_ranks():
         assert [c[2] for c in got["collectives"]] == [got["expected"]["bytes_each"]] * 4
 
 
+def test_a_nope_layer_splits_too():
+    """A model without positional rotation (NoPE: ``rope_tables`` gives None) splits the same way."""
+    nope = {**TP.DEMO_MODEL, "position_embedding": "none"}
+    for got in launch(TP.demo, 2, 2, 16, 0, nope):
+        assert max(got["y"], got["dx"], got["d_shards"], got["d_norms"]) < 1e-4
+
+
 # ---------------------------------------------------------------------------------------------
 # bad input, no processes needed
 # ---------------------------------------------------------------------------------------------
