@@ -73,7 +73,7 @@ class Entry:
 REGISTRY: dict[str, Entry] = {}
 
 # Topic packages that register benchmark entries, in course order.
-TOPICS = ["welcome", "embeddings", "attention", "layers", "training", "models", "roofline", "kvcache", "gqa", "flash", "paged",
+TOPICS = ["welcome", "tokenization", "embeddings", "attention", "layers", "training", "models", "roofline", "kvcache", "gqa", "flash", "paged",
           "quant", "spec", "moe", "mamba", "parallel", "scale", "engine"]
 
 

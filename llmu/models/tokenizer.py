@@ -18,9 +18,13 @@ characters back to bytes and the bytes to UTF-8 text.
 
 The "smollm" pre-tokenizer is the one of the model's ``tokenizer.json`` (and llama.cpp's
 ``LLAMA_VOCAB_PRE_TYPE_SMOLLM``): ``Digits(individual_digits=True)`` then ``ByteLevel``.
-transformers' GGUF converter does not know the name and keeps plain ``ByteLevel``; that gives the
-same ids, because the vocabulary has no token with two digits nor a space glued to a digit (the
-tests check both facts and compare ids with transformers on many texts).
+transformers' GGUF converter does not know the name and keeps plain ``ByteLevel``. That gives the
+same ids on most text (the vocabulary has no token with two digits nor a space glued to a digit),
+but not everywhere: before a digit, GPT-2's regex alone cuts a run of white space such as
+``"\n\n"`` into ``"\n"``, ``"\n"`` (its ``\s+(?!\S)`` leaves the last white-space character for
+the digit's word, and ``\s+`` then takes it alone), while the digits-first split keeps ``"\n\n"``
+whole, one token. llmu follows the model's own recipe
+(``tests/tokenization/test_smollm2_oracle.py`` checks a case where the two differ).
 """
 
 from __future__ import annotations
