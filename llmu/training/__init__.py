@@ -5,9 +5,15 @@
   every position at once (ignore-index and label smoothing included);
 - :mod:`llmu.training.kernels`: the Triton kernels of that cross-entropy, forward and backward,
   with their launchers and ``autograd.Function``;
-- :mod:`llmu.training.loop`: the training loop for ``llmu.models``: AdamW (and its optimizer-state
-  memory), warmup plus cosine learning rate, gradient clipping, gradient accumulation, and
-  checkpoints that resume exactly;
+- :mod:`llmu.training.loop`: the training loop for ``llmu.models`` (``Trainer``): AdamW's parameter
+  groups and optimizer-state memory, warmup plus cosine learning rate, gradient clipping, gradient
+  accumulation, and checkpoints that resume exactly;
+- :mod:`llmu.training.adamw`: AdamW written out (decoupled weight decay, bias correction), equal
+  to ``torch.optim.AdamW`` bit for bit;
+- :mod:`llmu.training.batches`: ``get_batch``, random training windows of a token array or of an
+  ``np.memmap`` larger than memory, reading only the windows it draws;
+- :mod:`llmu.training.checkpoint`: ``save_checkpoint``/``load_checkpoint`` for a hand-written
+  loop (weights, optimizer state, iteration, data-order state), to a path or a file object;
 - :mod:`llmu.training.sft`: supervised fine-tuning on chat conversations, with the loss masked to
   the assistant's tokens;
 - :mod:`llmu.training.lora`: low-rank adapters on chosen projections, merge and unmerge,

@@ -30,6 +30,8 @@ One optimizer step of :class:`Trainer` does, in order:
 5. **Learning rate**: linear warmup, then a cosine down to ``min_lr`` (:func:`warmup_cosine`).
    Early on, Adam's ``v`` estimates are poor and large steps are risky, so the rate climbs over
    ``warmup`` steps; afterwards it decays smoothly so the last steps settle into a minimum.
+   Two conventions for the warmup's first step are in use (``warmup_start``, see
+   :func:`warmup_cosine`): rate ``peak/warmup`` at step 0 (the default here) or rate 0 (nanoGPT).
 
 Every step appends a :class:`StepLog` (loss, learning rate, gradient norm before clipping,
 tokens per second) to ``Trainer.history``.
@@ -67,7 +69,7 @@ from torch import nn
 from llmu.checks import require_positive
 from llmu.data import byte_tokens, text as shipped_text
 
-__all__ = ["warmup_cosine", "warmup_cosine_scheduler", "adamw_param_groups", "clip_grad_norm", "optimizer_update",
+__all__ = ["WARMUP_STARTS", "warmup_cosine", "warmup_cosine_scheduler", "adamw_param_groups", "clip_grad_norm", "optimizer_update",
            "TokenWindows", "TrainConfig", "StepLog", "Trainer", "OptimizerMemory", "optimizer_state_memory", "adamw_state_bytes"]
 
 
@@ -100,19 +102,40 @@ def _check_schedule(warmup, total, peak_lr, min_lr) -> None:
         raise ValueError(f"min_lr must be in [0, peak_lr={peak_lr}], got {min_lr}")
 
 
-def warmup_cosine(step: int, warmup: int, total: int, peak_lr: float, min_lr: float = 0.0) -> float:
+WARMUP_STARTS = ("one", "zero")
+
+
+def warmup_cosine(step: int, warmup: int, total: int, peak_lr: float, min_lr: float = 0.0, *,
+                  warmup_start: str = "one") -> float:
     """The learning rate of step ``step`` (counted from 0) of a ``total``-step run.
 
-    - ``step < warmup``: linear warmup, ``peak_lr · (step + 1) / warmup``: the first step already
-      moves (a step at rate 0 would be wasted) and step ``warmup - 1`` reaches ``peak_lr``;
+    - ``step < warmup``: linear warmup, by one of two conventions (``warmup_start``):
+
+      ``"one"`` (the default): ``peak_lr · (step + 1) / warmup``. The first step already moves (a
+      step at rate 0 would be wasted) and step ``warmup - 1`` reaches ``peak_lr``.
+      ``"zero"``: ``peak_lr · step / warmup``, as in nanoGPT and Stanford's CS336. Step 0 runs at
+      rate 0, and ``peak_lr`` is reached at step ``warmup``, by the cosine below.
+
+      With ``warmup = 4``, ``peak_lr = 1``:
+
+      ============== ====== ====== ====== ====== ======
+      step            0      1      2      3      4
+      ============== ====== ====== ====== ====== ======
+      ``"one"``       0.25   0.50   0.75   1.00   1.00
+      ``"zero"``      0.00   0.25   0.50   0.75   1.00
+      ============== ====== ====== ====== ====== ======
+
     - ``warmup <= step <= total``: half a cosine from ``peak_lr`` down to ``min_lr``,
-      ``min_lr + (peak_lr - min_lr) · (1 + cos(π · (step - warmup) / (total - warmup))) / 2``;
+      ``min_lr + (peak_lr - min_lr) · (1 + cos(π · (step - warmup) / (total - warmup))) / 2``
+      (the same under both conventions);
     - ``step > total``: ``min_lr`` (training past the plan keeps the final rate).
     """
     _check_schedule(warmup, total, peak_lr, min_lr)
     step = _require_int("step", step, 0)
+    if warmup_start not in WARMUP_STARTS:
+        raise ValueError(f"warmup_start must be one of {WARMUP_STARTS}, got {warmup_start!r}")
     if step < warmup:
-        return peak_lr * (step + 1) / warmup
+        return peak_lr * (step + (warmup_start == "one")) / warmup
     if step >= total:
         return float(min_lr)
     progress = (step - warmup) / (total - warmup)
@@ -120,16 +143,20 @@ def warmup_cosine(step: int, warmup: int, total: int, peak_lr: float, min_lr: fl
 
 
 def warmup_cosine_scheduler(optimizer: torch.optim.Optimizer, warmup: int, total: int,
-                            min_lr_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
+                            min_lr_ratio: float = 0.1, *, warmup_start: str = "one"
+                            ) -> torch.optim.lr_scheduler.LambdaLR:
     """A ``LambdaLR`` that gives every parameter group :func:`warmup_cosine` of its own initial
-    ``lr`` (the peak), ending at ``min_lr_ratio · peak``. Call ``.step()`` after each
-    ``optimizer.step()``; its ``state_dict()`` holds the position (``last_epoch``)."""
+    ``lr`` (the peak), ending at ``min_lr_ratio · peak``, with the warmup convention
+    ``warmup_start``. Call ``.step()`` after each ``optimizer.step()``; its ``state_dict()`` holds
+    the position (``last_epoch``)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     _check_schedule(warmup, total, 1.0, min_lr_ratio)
+    if warmup_start not in WARMUP_STARTS:
+        raise ValueError(f"warmup_start must be one of {WARMUP_STARTS}, got {warmup_start!r}")
 
     def factor(step: int) -> float:            # the schedule with peak 1: LambdaLR multiplies by each group's lr
-        return warmup_cosine(step, warmup, total, 1.0, min_lr_ratio)
+        return warmup_cosine(step, warmup, total, 1.0, min_lr_ratio, warmup_start=warmup_start)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 

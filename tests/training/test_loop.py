@@ -21,13 +21,7 @@ SEQ = 32
 CONFIG = byte_llama_config(64, 2, max_len=64, head_dim=16)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Bit-exact comparisons need one summation order: one intra-op thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")    # tests/training/conftest.py
 
 
 def make_trainer(model_seed: int = 0, data_seed: int = 0, **config) -> Trainer:
@@ -89,6 +83,53 @@ def test_scheduler_factory_follows_the_function():
 def test_schedule_rejects_bad_arguments(args, error):
     with pytest.raises(error):
         warmup_cosine(*args)
+
+
+@pytest.mark.parametrize("warmup", [1, 4, 10])
+def test_warmup_conventions(warmup):
+    """``"one"``: step s runs at peak (s + 1) / warmup; ``"zero"`` (nanoGPT, CS336): at peak s / warmup,
+    so step 0 runs at 0 and the peak comes at step ``warmup``. After warmup the two agree."""
+    peak, low, total = 2.0, 0.2, 40
+    for step in range(warmup):
+        assert warmup_cosine(step, warmup, total, peak, low, warmup_start="zero") == \
+            pytest.approx(peak * step / warmup, rel=1e-12, abs=0)
+        assert warmup_cosine(step, warmup, total, peak, low, warmup_start="one") == \
+            warmup_cosine(step, warmup, total, peak, low) == pytest.approx(peak * (step + 1) / warmup, rel=1e-12)
+    assert warmup_cosine(0, warmup, total, peak, low, warmup_start="zero") == 0.0
+    assert warmup_cosine(warmup, warmup, total, peak, low, warmup_start="zero") == pytest.approx(peak, rel=1e-12)
+    for step in range(warmup, total + 5):
+        assert warmup_cosine(step, warmup, total, peak, low, warmup_start="zero") == \
+            warmup_cosine(step, warmup, total, peak, low, warmup_start="one")
+    assert warmup_cosine(total, warmup, total, peak, low, warmup_start="zero") == pytest.approx(low, rel=1e-12)
+
+
+def test_the_docstring_table():
+    """The table in warmup_cosine's docstring: warmup 4, peak 1, steps 0..4."""
+    one = [warmup_cosine(s, 4, 100, 1.0) for s in range(5)]
+    zero = [warmup_cosine(s, 4, 100, 1.0, warmup_start="zero") for s in range(5)]
+    assert one == [0.25, 0.5, 0.75, 1.0, 1.0] and zero == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert "0.25   0.50   0.75   1.00   1.00" in warmup_cosine.__doc__
+    assert "0.00   0.25   0.50   0.75   1.00" in warmup_cosine.__doc__
+
+
+@pytest.mark.parametrize("bad", ["One", "", None, 0, "step"])
+def test_warmup_start_is_validated(bad):
+    with pytest.raises(ValueError, match="warmup_start"):
+        warmup_cosine(0, 4, 10, 1.0, warmup_start=bad)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    with pytest.raises(ValueError, match="warmup_start"):
+        warmup_cosine_scheduler(opt, 4, 10, warmup_start=bad)
+
+
+def test_scheduler_factory_with_the_zero_convention():
+    weight = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([weight], lr=0.5)
+    sched = warmup_cosine_scheduler(opt, warmup=4, total=30, min_lr_ratio=0.2, warmup_start="zero")
+    for step in range(35):
+        assert opt.param_groups[0]["lr"] == pytest.approx(
+            warmup_cosine(step, 4, 30, 0.5, 0.1, warmup_start="zero"), rel=1e-12, abs=0)
+        opt.step()
+        sched.step()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,8 +3,9 @@ test cell, hidden parts included, and typical wrong answers fail them.
 
 The exercises use small random tensors and the tiny llmu model, so only the setup cell's imports
 (and its tokenizer and recorded runs) are needed; the training runs, the memory measurement and
-the benchmark are executed by the course-wide notebook tests. Exercise 2's kernel calls the
-``logits_tile`` helper of the cell before it, so that cell runs first.
+the benchmark are executed by the course-wide notebook tests. Exercise 8's kernel calls the
+``logits_tile`` helper of the cell before it, so that cell runs first; exercise 6's training loop
+calls the learner's pieces of exercises 1 to 5, so their solution cells run first.
 """
 
 from __future__ import annotations
@@ -17,50 +18,119 @@ NOTEBOOK = course.repo_root() / "solutions" / "04_training" / "04_training.ipynb
 
 EXERCISES = {
     "ex1": course.Exercise.numbered(1),
-    "ex2": course.Exercise.numbered(2, before=["ex2_helper"]),     # the logits_tile helper its kernel calls
+    "ex2": course.Exercise.numbered(2),
     "ex3": course.Exercise.numbered(3),
     "ex4": course.Exercise.numbered(4),
+    "ex5": course.Exercise.numbered(5),
+    # the loop is built from the learner's pieces of exercises 1 to 5
+    "ex6": course.Exercise.numbered(6, before=[f"ex{n}_solution" for n in range(1, 6)]),
+    "ex7": course.Exercise.numbered(7),
+    "ex8": course.Exercise.numbered(8, before=["ex8_helper"]),     # the logits_tile helper its kernel calls
+    "ex9": course.Exercise.numbered(9),
+    "ex10": course.Exercise.numbered(10),
 }
 
 
+# exercise 1's update: the decay, then the moments and the step (a wrong answer moves the decay last)
+_DECAY = "p.mul_(1 - lr * wd)                               # decoupled decay, first\n                "
+_REST = ("m.mul_(beta1).add_(g, alpha=1 - beta1)\n                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)\n"
+         "                m_hat = m / (1 - beta1 ** t)\n                v_hat = v / (1 - beta2 ** t)\n"
+         "                p.sub_(lr * m_hat / (v_hat.sqrt() + eps))")
+
 WRONG = {
     # case: (exercise, replaced text, replacement, the test cell that must catch it)
-    "ex1: no shift": ("ex1", "pred = logits[:, :-1].float()", "pred = logits[:, 1:].float()", "test_ex1_visible"),
-    "ex1: mean over every position": ("ex1", "return -(token_logp * mask).sum() / mask.sum()",
-                                      "return -(token_logp * mask).sum() / mask.numel()", "test_ex1_visible"),
-    "ex1: mean of per-row means": ("ex1", "return -(token_logp * mask).sum() / mask.sum()",
+    "ex1: no bias correction": ("ex1", "m_hat = m / (1 - beta1 ** t)\n                v_hat = v / (1 - beta2 ** t)",
+                                "m_hat = m\n                v_hat = v", "test_ex1_visible"),
+    "ex1: coupled (L2) decay": ("ex1", "g = p.grad\n                " + _DECAY, "g = p.grad + wd * p\n                ",
+                                "test_ex1_visible"),
+    "ex1: decay without lr": ("ex1", "p.mul_(1 - lr * wd)", "p.mul_(1 - wd)", "test_ex1_visible"),
+    "ex1: no decay at all": ("ex1", _DECAY, "", "test_ex1_visible"),
+    "ex1: decay after the update": ("ex1", _DECAY + _REST, _REST + "\n                p.mul_(1 - lr * wd)", "test_ex1_hidden"),
+    "ex1: eps inside the square root": ("ex1", "(v_hat.sqrt() + eps)", "(v_hat + eps).sqrt()", "test_ex1_hidden"),
+    "ex1: betas swapped in m": ("ex1", "m.mul_(beta1).add_(g, alpha=1 - beta1)", "m.mul_(1 - beta1).add_(g, alpha=beta1)",
+                                "test_ex1_visible"),
+    "ex1: bias correction a step late": ("ex1", "t = state[\"step\"]", "t = state[\"step\"] + 1", "test_ex1_visible"),
+    "ex1: group settings ignored": ("ex1", "eps, wd = group[\"eps\"], group[\"weight_decay\"]",
+                                    "eps, wd = self.defaults[\"eps\"], self.defaults[\"weight_decay\"]", "test_ex1_hidden"),
+    "ex2: warmup off by one": ("ex2", "(1 if warmup_start == \"one\" else 0)", "(0 if warmup_start == \"one\" else 1)",
+                               "test_ex2_visible"),
+    "ex2: cosine not reaching min_lr": ("ex2", "min_lr + (peak_lr - min_lr) * 0.5", "min_lr + peak_lr * 0.5",
+                                       "test_ex2_visible"),
+    "ex2: cosine over the whole run": ("ex2", "progress = (step - warmup) / (total - warmup)", "progress = step / total",
+                                      "test_ex2_visible"),
+    "ex2: no floor past total": ("ex2", "    if step >= total:\n        return min_lr\n", "", "test_ex2_hidden"),
+    "ex2: any convention accepted": ("ex2", "raise ValueError(f\"warmup_start must be 'one' or 'zero', got {warmup_start!r}\")",
+                                     "pass", "test_ex2_hidden"),
+    "ex3: per-tensor clipping": ("ex3", "        for g in grads:\n            g.mul_(scale.to(g.dtype))",
+                                 "        for g in grads:\n            g.mul_(torch.clamp(max_norm / (g.norm() + 1e-6), max=1.0))",
+                                 "test_ex3_visible"),
+    "ex3: clipping below max_norm too": ("ex3", "if norm > max_norm:", "if True:", "test_ex3_visible"),
+    "ex3: squared norm": ("ex3", "norm = torch.sqrt(sum((g.detach().float() ** 2).sum() for g in grads))",
+                          "norm = sum((g.detach().float() ** 2).sum() for g in grads)", "test_ex3_visible"),
+    "ex3: norm after clipping returned": ("ex3", "    return float(norm)",
+                                          "    return float(torch.sqrt(sum((g.float() ** 2).sum() for g in grads)))",
+                                          "test_ex3_visible"),
+    "ex3: parameters read twice": ("ex3", "        for g in grads:\n            g.mul_(scale.to(g.dtype))",
+                                   "        for p in parameters:\n            if p.grad is not None:\n"
+                                   "                p.grad.mul_(scale)", "test_ex3_hidden"),
+    "ex4: targets not shifted": ("ex4", "return windows[:, :-1], windows[:, 1:]", "return windows[:, :-1], windows[:, :-1]",
+                                 "test_ex4_visible"),
+    "ex4: dtype kept": ("ex4", "windows.astype(np.int64)", "windows", "test_ex4_visible"),
+    "ex4: generator ignored": ("ex4", "(batch_size,), generator=generator)", "(batch_size,))", "test_ex4_visible"),
+    "ex4: last start never drawn": ("ex4", "torch.randint(0, n - context_length, ", "torch.randint(0, n - context_length - 1, ",
+                                    "test_ex4_hidden"),
+    "ex4: the whole file read": ("ex4", "    n = len(tokens)\n", "    tokens = np.array(tokens)\n    n = len(tokens)\n",
+                                 "test_ex4_hidden"),
+    "ex5: optimizer state not restored": ("ex5", "    optimizer.load_state_dict(state[\"optimizer\"])\n", "",
+                                          "test_ex5_visible"),
+    "ex5: iteration not returned": ("ex5", "return state[\"iteration\"]", "return 0", "test_ex5_visible"),
+    "ex5: generator not restored": ("ex5", "        generator.set_state(state[\"generator\"])", "        pass",
+                                    "test_ex5_hidden"),
+    "ex6: resume restarts the data order": ("ex6", "my_load_checkpoint(resume_from, model, optimizer, generator)",
+                                            "my_load_checkpoint(resume_from, model, optimizer)", "test_ex6_visible"),
+    "ex6: checkpoint names the step just run": ("ex6", "it + 1, checkpoint_path", "it, checkpoint_path", "test_ex6_visible"),
+    "ex6: resume starts at 0": ("ex6", "start = my_load_checkpoint(", "_ = my_load_checkpoint(", "test_ex6_visible"),
+    "ex6: gradients never cleared": ("ex6", "        optimizer.zero_grad(set_to_none=True)\n", "", "test_ex6_visible"),
+    "ex6: no optimizer step": ("ex6", "        optimizer.step()\n", "", "test_ex6_visible"),
+    "ex6: rate never scheduled": ("ex6", "group[\"lr\"] = lr", "pass", "test_ex6_hidden"),
+    "ex6: vectors decay too": ("ex6", "{\"params\": vectors, \"weight_decay\": 0.0}",
+                               "{\"params\": vectors, \"weight_decay\": weight_decay}", "test_ex6_hidden"),
+    "ex7: no shift": ("ex7", "pred = logits[:, :-1].float()", "pred = logits[:, 1:].float()", "test_ex7_visible"),
+    "ex7: mean over every position": ("ex7", "return -(token_logp * mask).sum() / mask.sum()",
+                                      "return -(token_logp * mask).sum() / mask.numel()", "test_ex7_visible"),
+    "ex7: mean of per-row means": ("ex7", "return -(token_logp * mask).sum() / mask.sum()",
                                    "return (-(token_logp * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()",
-                                   "test_ex1_hidden"),
-    "ex1: no error without labels": ("ex1", 'raise ValueError("labels hold no trained token")', "pass",
-                                     "test_ex1_hidden"),
-    "ex1: half precision kept": ("ex1", "pred = logits[:, :-1].float()", "pred = logits[:, :-1]", "test_ex1_hidden"),
-    "ex2: sum not rescaled": ("ex2", "s = s * tl.exp(m - m_new) + ", "s = s + ", "test_ex2_visible"),
-    "ex2: no running max": ("ex2", "tl.sum(tl.exp(z - m_new[:, None]), axis=1)", "tl.sum(tl.exp(z), axis=1)",
-                            "test_ex2_visible"),
-    "ex2: padded columns count": ("ex2", '        z = tl.where(cmask[None, :], z, float("-inf"))\n', "",
-                                  "test_ex2_visible"),
-    "ex2: ignored rows kept": ("ex2", "loss = tl.where(y != ignore_index, lse - z_target, 0.0)", "loss = lse - z_target",
-                               "test_ex2_hidden"),
-    "ex3: B random": ("ex3", "self.lora_B = nn.Parameter(torch.zeros(out_features, r, dtype=weight.dtype))",
-                      "self.lora_B = nn.Parameter(torch.randn(out_features, r, dtype=weight.dtype))", "test_ex3_visible"),
-    "ex3: base not frozen": ("ex3", "self.base = base.requires_grad_(False)", "self.base = base.requires_grad_(True)",
-                             "test_ex3_visible"),
-    "ex3: scaling r / alpha": ("ex3", "self.scaling = r, alpha, alpha / r", "self.scaling = r, alpha, r / alpha",
-                               "test_ex3_visible"),
-    "ex3: A at zero": ("ex3", "a = torch.rand(r, in_features, dtype=torch.float32) * (2 * bound) - bound",
-                       "a = torch.zeros(r, in_features)", "test_ex3_hidden"),
-    "ex3: A not scaled to the fan-in": ("ex3", "bound = 1.0 / math.sqrt(in_features)", "bound = 1.0",
-                                        "test_ex3_hidden"),
-    "ex3: delta without scaling": ("ex3", "return (self.lora_B @ self.lora_A) * self.scaling",
-                                   "return self.lora_B @ self.lora_A", "test_ex3_hidden"),
-    "ex4: chosen and rejected swapped": ("ex4", "beta * (chosen - rejected)", "beta * (rejected - chosen)",
-                                         "test_ex4_visible"),
-    "ex4: beta forgotten": ("ex4", "beta * (chosen - rejected)", "(chosen - rejected)", "test_ex4_visible"),
-    "ex4: sum over pairs": ("ex4", "(chosen - rejected)).mean()", "(chosen - rejected)).sum()", "test_ex4_visible"),
-    "ex4: log of sigmoid": ("ex4", "-F.logsigmoid(beta * (chosen - rejected)).mean()",
-                            "-torch.log(torch.sigmoid(beta * (chosen - rejected))).mean()", "test_ex4_hidden"),
-    "ex4: reference not detached": ("ex4", "chosen = policy_chosen - ref_chosen.detach()",
-                                    "chosen = policy_chosen - ref_chosen", "test_ex4_hidden"),
+                                   "test_ex7_hidden"),
+    "ex7: no error without labels": ("ex7", 'raise ValueError("labels hold no trained token")', "pass",
+                                     "test_ex7_hidden"),
+    "ex7: half precision kept": ("ex7", "pred = logits[:, :-1].float()", "pred = logits[:, :-1]", "test_ex7_hidden"),
+    "ex8: sum not rescaled": ("ex8", "s = s * tl.exp(m - m_new) + ", "s = s + ", "test_ex8_visible"),
+    "ex8: no running max": ("ex8", "tl.sum(tl.exp(z - m_new[:, None]), axis=1)", "tl.sum(tl.exp(z), axis=1)",
+                            "test_ex8_visible"),
+    "ex8: padded columns count": ("ex8", '        z = tl.where(cmask[None, :], z, float("-inf"))\n', "",
+                                  "test_ex8_visible"),
+    "ex8: ignored rows kept": ("ex8", "loss = tl.where(y != ignore_index, lse - z_target, 0.0)", "loss = lse - z_target",
+                               "test_ex8_hidden"),
+    "ex9: B random": ("ex9", "self.lora_B = nn.Parameter(torch.zeros(out_features, r, dtype=weight.dtype))",
+                      "self.lora_B = nn.Parameter(torch.randn(out_features, r, dtype=weight.dtype))", "test_ex9_visible"),
+    "ex9: base not frozen": ("ex9", "self.base = base.requires_grad_(False)", "self.base = base.requires_grad_(True)",
+                             "test_ex9_visible"),
+    "ex9: scaling r / alpha": ("ex9", "self.scaling = r, alpha, alpha / r", "self.scaling = r, alpha, r / alpha",
+                               "test_ex9_visible"),
+    "ex9: A at zero": ("ex9", "a = torch.rand(r, in_features, dtype=torch.float32) * (2 * bound) - bound",
+                       "a = torch.zeros(r, in_features)", "test_ex9_hidden"),
+    "ex9: A not scaled to the fan-in": ("ex9", "bound = 1.0 / math.sqrt(in_features)", "bound = 1.0",
+                                        "test_ex9_hidden"),
+    "ex9: delta without scaling": ("ex9", "return (self.lora_B @ self.lora_A) * self.scaling",
+                                   "return self.lora_B @ self.lora_A", "test_ex9_hidden"),
+    "ex10: chosen and rejected swapped": ("ex10", "beta * (chosen - rejected)", "beta * (rejected - chosen)",
+                                         "test_ex10_visible"),
+    "ex10: beta forgotten": ("ex10", "beta * (chosen - rejected)", "(chosen - rejected)", "test_ex10_visible"),
+    "ex10: sum over pairs": ("ex10", "(chosen - rejected)).mean()", "(chosen - rejected)).sum()", "test_ex10_visible"),
+    "ex10: log of sigmoid": ("ex10", "-F.logsigmoid(beta * (chosen - rejected)).mean()",
+                            "-torch.log(torch.sigmoid(beta * (chosen - rejected))).mean()", "test_ex10_hidden"),
+    "ex10: reference not detached": ("ex10", "chosen = policy_chosen - ref_chosen.detach()",
+                                    "chosen = policy_chosen - ref_chosen", "test_ex10_hidden"),
 }
 
 
@@ -141,9 +211,9 @@ def test_live_dpo_pairs_per_micro_batch():
 
 
 def test_the_benchmark_times_your_kernel_beside_llmus(notebook, tmp_path):
-    """The benchmark cell passes exercise 2's launcher as llmu's forward kernel of the entry is
+    """The benchmark cell passes exercise 8's launcher as llmu's forward kernel of the entry is
     called: with the solution in place, my_fused_ce gives llmu's (mean loss, lse of every row) on the
     entry's inputs, here with N, H and V none a multiple of the blocks (a ragged last tile of each)."""
-    assert notebook.check_bench_yours(tmp_path, {"fused_linear_cross_entropy_fwd": "ex2"},
+    assert notebook.check_bench_yours(tmp_path, {"fused_linear_cross_entropy_fwd": "ex8"},
                                       sizes={"fused_linear_cross_entropy_fwd": {"N": 45, "H": 40, "V": 333}}) == \
         {"fused_linear_cross_entropy_fwd": "ok"}
