@@ -21,8 +21,8 @@ The "smollm" pre-tokenizer is the one of the model's ``tokenizer.json`` (and lla
 transformers' GGUF converter does not know the name and keeps plain ``ByteLevel``. That gives the
 same ids on most text (the vocabulary has no token with two digits nor a space glued to a digit),
 but not everywhere: before a digit, GPT-2's regex alone cuts a run of white space such as
-``"\n\n"`` into ``"\n"``, ``"\n"`` (its ``\s+(?!\S)`` leaves the last white-space character for
-the digit's word, and ``\s+`` then takes it alone), while the digits-first split keeps ``"\n\n"``
+``"\\n\\n"`` into ``"\\n"``, ``"\\n"`` (its ``\\s+(?!\\S)`` leaves the last white-space character for
+the digit's word, and ``\\s+`` then takes it alone), while the digits-first split keeps ``"\\n\\n"``
 whole, one token. llmu follows the model's own recipe
 (``tests/tokenization/test_smollm2_oracle.py`` checks a case where the two differ).
 """
