@@ -97,3 +97,18 @@ def test_one_symbol_for_temperature_and_draft_length(cells):
     assert "'T = '" not in table and "for t in" not in table
     assert "γ={best['gamma']}" in table
     assert "$K$" not in cells["medusa_md"]
+
+
+def test_early_exit_agrees_less_often_than_it_costs(cells):
+    """Section 3's claim: with gamma = 1 a draft breaks even only when alpha > c, and no depth of
+    early exit gets there, so its best ratio over gamma = 1..8 stays below 1 (checked here on the
+    shipped table's greedy acceptance of the 4-, 8- and 15-block exits)."""
+    text = prose(cells, "early_exit_read")
+    assert "a draft breaks even only when it agrees more often than the fraction of a step it costs" in text
+    assert all(abs(expected_tokens_per_step(a, 1) / (1 + c) - 1) < 1e-12 for a, c in ((0.3, 0.3), (0.8, 0.8)))
+    for row in load_acceptance_table(temperature=0.0):
+        if row["draft"].startswith("exit"):
+            alpha, cost = row["acceptance"], cost_of_exit(int(row["draft"].removeprefix("exit")))
+            assert alpha < cost, row
+            assert max(expected_tokens_per_step(alpha, g) / (g * cost + 1) for g in range(1, 9)) < 1, row
+    assert "best = [max(expected_tokens_per_step(agree, g) / (g * cost + 1) for g in range(1, 9))" in cells["early_exit"]
