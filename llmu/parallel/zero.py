@@ -307,6 +307,11 @@ class ZeRO(nn.Module):
     Gradients accumulate over several backward passes until a step; the first backward after a
     step starts from zero, whatever ``zero_grad`` did or did not do (as DeepSpeed's engine).
 
+    Checkpoints: :meth:`state_dict` gives what one process's ``module.state_dict()`` would hold
+    (full float32 parameters, gathered: a collective), and :meth:`load_state_dict` takes such a dict
+    back on every rank; the optimizer's sharded state is saved per rank
+    (``zero.optimizer.state_dict()``).
+
     Attributes: ``units`` (the :class:`FlatUnit` list), ``optimizer`` (over the shards),
     ``compute_dtype``, ``peak`` (the largest :meth:`memory` seen since the last :meth:`zero_grad`,
     per category), ``events`` (stage 3: ``(seconds, "gather (forward)" | "gather (backward)" |
@@ -697,6 +702,67 @@ class ZeRO(nn.Module):
             for name, p, off in zip(unit.names, unit.params, unit.offsets):
                 out[name] = flat[off:off + p.numel()].view(p.shape).clone()
         return out
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False) -> dict:
+        """The wrapped module's state as one process would save it: ``module.state_dict()``'s keys,
+        with every trained parameter full size and float32 (under mixed precision the master
+        weights, not their ``compute_dtype`` copies), buffers and frozen parameters as they are.
+        A collective in stage 3 and under mixed precision (:meth:`full_parameters`): every rank
+        calls it, and every rank gets the same dict, ready for ``torch.save`` by one of them.
+
+        Without this, ``nn.Module.state_dict`` would hand out the module's own parameters, which
+        are views into ZeRO's flat buffers: in stage 3 their storage is empty between uses, and
+        under mixed precision they hold the rounded bf16/fp16 copies. The optimizer's state is
+        not in it: it is sharded, ``zero.optimizer.state_dict()`` on each rank."""
+        if args:
+            raise TypeError("ZeRO.state_dict takes keyword arguments only (destination=, prefix=, keep_vars=)")
+        full = self.full_parameters()
+        out = {}
+        for name, value in self.module.state_dict(keep_vars=keep_vars).items():
+            out[prefix + name] = full[name] if name in full else value
+        if destination is not None:
+            destination.update(out)
+            return destination
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load a :meth:`state_dict` (or a single process's ``module.state_dict()``: the same
+        keys) on every rank: each trained parameter goes into this rank's float32 shard and the
+        weights the module computes with (stages 0-2; stage 3 gathers them at the next forward),
+        buffers and frozen parameters into the module. Every rank must load the same dict. With
+        ``strict``, missing or unexpected keys raise, as in ``nn.Module.load_state_dict``.
+        Returns ``(missing_keys, unexpected_keys)``."""
+        if assign:
+            raise ValueError("ZeRO.load_state_dict copies into its flat buffers; assign=True is not supported")
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict of tensors, got {type(state_dict).__name__}")
+        trained = {name for unit in self.units for name in unit.names}
+        expected = set(self.module.state_dict().keys())
+        missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"ZeRO.load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        for unit in self.units:
+            present = [n in state_dict for n in unit.names]
+            if not any(present):
+                continue
+            if not all(present):
+                raise ValueError(f"unit {unit.name!r} is one flat buffer: load all its parameters or none, "
+                                 f"missing {[n for n, ok in zip(unit.names, present) if not ok]}")
+            flat = torch.zeros(unit.padded, dtype=torch.float32, device=unit.shard.device)
+            for name, p, off in zip(unit.names, unit.params, unit.offsets):
+                value = state_dict[name]
+                if tuple(value.shape) != tuple(p.shape):
+                    raise ValueError(f"{name}: the checkpoint holds shape {tuple(value.shape)}, the model "
+                                     f"{tuple(p.shape)}")
+                flat[off:off + p.numel()].copy_(value.reshape(-1))
+            unit.shard.copy_(flat[unit.owned])          # the float32 weights this rank updates
+            if unit.gathered:                           # stages 0-2: the weights the module computes with
+                unit.full.copy_(flat)                   # (stage 3 gathers the new shards at the next forward)
+        rest = {k: v for k, v in state_dict.items() if k not in trained}
+        self.module.load_state_dict(rest, strict=False)
+        return missing, unexpected
 
     def remove_hooks(self) -> None:
         """Detach the gradient and (stage 3) forward hooks from the module (the wrapper stops working)."""

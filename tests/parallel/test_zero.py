@@ -581,3 +581,48 @@ def test_reduce_order_is_checked():
         Z.ZeRO(_model(), 1, reduce_order="ring")
     with pytest.raises(ValueError, match="reduce_order must be one of"):
         ShardedOptimizer(_model().parameters(), torch.optim.SGD, lr=0.1, reduce_order=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints: state_dict() is the single process's, load_state_dict() takes it back
+# ---------------------------------------------------------------------------------------------
+
+def _checkpoints(rank, world):
+    batches = _batch().chunk(world)
+    out = {}
+    for stage, dtype in [(s, None) for s in Z.STAGES] + [(1, torch.bfloat16), (3, torch.bfloat16)]:
+        zero = Z.ZeRO(_model(), stage, lr=LR, compute_dtype=dtype)
+        for _ in range(2):
+            zero.zero_grad()
+            next_token_loss(zero, batches[rank]).backward()
+            zero.step()
+        sd = zero.state_dict()
+        full = zero.full_parameters()
+        plain = _model()                                   # one process, loads the checkpoint as it is
+        plain.load_state_dict(sd)
+        fresh = Z.ZeRO(tiny_llama(7).train().requires_grad_(True), stage, lr=LR, compute_dtype=dtype)
+        fresh.load_state_dict(sd)
+        probe = batches[0][:1]
+        with torch.no_grad():
+            got, want = fresh(probe).logits.float(), zero(probe).logits.float()
+        out[stage, dtype] = {
+            "keys": list(sd) == list(_model().state_dict()),
+            "trained_full_float32": not _differ({n: sd[n] for n in full}, full),
+            "plain_equal": not _differ(dict(plain.named_parameters()), full),
+            "fresh_equal": not _differ(fresh.full_parameters(), full),
+            "same_output": torch.equal(got, want),
+        }
+    try:
+        Z.ZeRO(_model(), 2, lr=LR).load_state_dict({k: v for k, v in sd.items() if k != "norm.weight"})
+        out["strict"] = None
+    except RuntimeError as e:
+        out["strict"] = str(e)
+    return out
+
+
+def test_state_dict_is_the_single_process_one_and_loads_back():
+    results = launch(_checkpoints, 2)
+    problems = [f"rank {rank}, {key}: {name}" for rank, out in enumerate(results) for key, checks in out.items()
+                if key != "strict" for name, ok in checks.items() if not ok]
+    assert not problems, "\n".join(problems)
+    assert all(out["strict"] and "missing keys ['norm.weight']" in out["strict"] for out in results)
