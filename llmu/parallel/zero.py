@@ -87,7 +87,7 @@ the collectives issued from the hooks pair up. A unit none of whose parameters r
 gradient on any rank is skipped; a unit some of whose parameters got none is completed with zeros.
 
 Compared with PyTorch: :func:`fsdp2_train` trains the same model with FSDP2
-(``torch.distributed.fsdp.fully_shard``, one call per unit and one on the root, the same AdamW),
+(``torch.distributed.fsdp.fully_shard``, one call per unit and one on the root, the same optimizer),
 which runs on CPU with gloo in this PyTorch; the tests check that ZeRO-3 and FSDP2 end at the same
 parameters. FSDP2 shards each parameter along its first dimension (a ``DTensor`` per parameter)
 instead of one flat buffer per unit: a different layout of the same idea.
@@ -830,12 +830,18 @@ def _after_any_step(optimizer, args, kwargs) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def fsdp2_train(module: nn.Module, batches: list[torch.Tensor], *, lr: float = 1e-3, betas=(0.9, 0.999),
-                eps: float = 1e-8, weight_decay: float = 0.01, units: list[nn.Module] | None = None,
-                loss_fn=next_token_loss, group=None) -> dict[str, torch.Tensor]:
-    """Train ``module`` one AdamW step per batch of ``batches`` (this rank's shards) with PyTorch's
-    FSDP2: ``fully_shard`` on every unit (default :func:`default_units`), then on the root. Returns
-    the full parameters afterwards (``DTensor.full_tensor()``, a collective), by name.
+def fsdp2_train(module: nn.Module, batches: list[torch.Tensor], *, optimizer_cls=torch.optim.AdamW,
+                units: list[nn.Module] | None = None, loss_fn=next_token_loss, group=None,
+                **optimizer_kwargs) -> dict[str, torch.Tensor]:
+    """Train ``module`` one optimizer step per batch of ``batches`` (this rank's shards) with
+    PyTorch's FSDP2: ``fully_shard`` on every unit (default :func:`default_units`), then on the
+    root. Returns the full parameters afterwards (``DTensor.full_tensor()``, a collective), by name.
+
+    ``optimizer_cls`` and ``**optimizer_kwargs``: the optimizer, as for :class:`ZeRO`; the default
+    is ``torch.optim.AdamW`` with its own defaults (``lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+    weight_decay=0.01``). FSDP2 hands the optimizer ``DTensor`` shards, one per parameter (each
+    keeps its shape, cut along the first dimension), so an optimizer that updates element by
+    element gives the unsharded result.
 
     ``module`` is modified in place (its parameters become ``DTensor`` shards). Rank 0's weights
     are broadcast first, as :class:`ZeRO` does.
@@ -843,6 +849,9 @@ def fsdp2_train(module: nn.Module, batches: list[torch.Tensor], *, lr: float = 1
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+        raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, "
+                        f"got {optimizer_cls!r}")
     world, _ = require_process_group(group, "FSDP2")
     broadcast_module(module, group)
     device_type = next(module.parameters()).device.type
@@ -850,7 +859,7 @@ def fsdp2_train(module: nn.Module, batches: list[torch.Tensor], *, lr: float = 1
     for m in (units if units is not None else [m for _, m in default_units(module)]):
         fully_shard(m, mesh=mesh)
     fully_shard(module, mesh=mesh)
-    opt = torch.optim.AdamW(module.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    opt = optimizer_cls(module.parameters(), **optimizer_kwargs)
     for batch in batches:
         loss_fn(module, batch).backward()
         opt.step()

@@ -317,6 +317,13 @@ def _any_optimizer(rank, world):
                 diffs.append(_differ(zero.full_parameters(), history[step]))
             out["zero.step"][name, stage] = diffs
 
+    # FSDP2 with the same optimizers: close to the unsharded one (its own reduction; seen: equal)
+    out["fsdp2"] = {}
+    for name, (cls, kwargs) in OPTIMIZERS.items():
+        history, _ = _by_hand(batches, cls, kwargs, STEPS)
+        got = Z.fsdp2_train(_model(), [batches[rank]] * STEPS, optimizer_cls=cls, **kwargs)
+        out["fsdp2"][name] = max((got[n] - history[-1][n]).abs().max().item() for n in got)
+
     # PyTorch's idiom: an optimizer built over the wrapper's parameters (the shards), cleared either way
     cls, kwargs = OPTIMIZERS["SGD, momentum"]
     history, _ = _by_hand(batches, cls, kwargs, STEPS)
@@ -379,6 +386,9 @@ def test_zero_with_any_optimizer_equals_the_unsharded_one():
             if message is None or "zero.parameters()" not in message:
                 problems.append(f"rank {rank}, stage {stage}: an optimizer over the module's views was not refused "
                                 f"({message})")
+        for name, error in out["fsdp2"].items():
+            if not error <= PARAM_ATOL:
+                problems.append(f"rank {rank}: FSDP2 with {name} is {error:.3g} from the unsharded optimizer")
         if [m is not None and "already managed by a ZeRO" in m for m in out["sharded twice"]] != [True, True]:
             problems.append(f"rank {rank}: sharding ZeRO's tensors again was not refused: {out['sharded twice']}")
     assert not problems, "\n".join(problems)
@@ -443,6 +453,8 @@ def test_zero_refuses_bad_optimizer_and_precision_arguments():
     model = _model()
     with pytest.raises(TypeError, match="torch.optim.Optimizer subclass"):
         Z.ZeRO(_model(), 1, "adamw")
+    with pytest.raises(TypeError, match="torch.optim.Optimizer subclass"):
+        Z.fsdp2_train(_model(), [], optimizer_cls="adamw")
     with pytest.raises(TypeError, match="not an optimizer built already"):
         Z.ZeRO(model, 1, torch.optim.AdamW(model.parameters()))
     with pytest.raises(ValueError, match="cannot shard LBFGS"):
