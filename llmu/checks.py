@@ -10,6 +10,8 @@ per call, never once per step or per element.
 
 from __future__ import annotations
 
+import operator
+
 import numbers
 from collections.abc import Iterable, Mapping
 
@@ -84,6 +86,20 @@ def require_same_device(**tensors: torch.Tensor) -> torch.device:
         if t.device != first.device:
             raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; they must match")
     return first.device
+
+
+def require_int(name: str, value, minimum: int = 0) -> int:
+    """``value`` as an int ``>= minimum`` (bools refused; numpy and torch integer scalars taken),
+    or TypeError/ValueError naming ``name``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
 
 
 def require_positive(name: str, value, *, integer: bool = False):

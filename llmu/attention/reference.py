@@ -80,6 +80,16 @@ def check_attention_mask(mask, shape: tuple[int, int, int, int], device=None) ->
     return mask
 
 
+def allowed_keys(mask: torch.Tensor | None, causal: bool, q_len: int, kv_len: int, device=None) -> torch.Tensor | None:
+    """Which keys each query may see: ``mask`` (already checked) AND, with ``causal``, the
+    :func:`causal_mask`; ``None`` when neither restricts anything. Every backend that takes a mask
+    combines the two here."""
+    if not causal:
+        return mask
+    causal_part = causal_mask(q_len, kv_len, device=device)
+    return causal_part if mask is None else mask & causal_part
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -139,9 +149,7 @@ def attention(
     # 2. all the scores at once: (B, H, Tq, Tk)
     scores = (q.float() @ kf.transpose(-1, -2)) * scale
     # 3. what a query may not see gets -inf, so exp() gives it weight 0
-    allowed = mask
-    if causal:
-        allowed = causal_mask(tq, tk, device=q.device) if mask is None else mask & causal_mask(tq, tk, device=q.device)
+    allowed = allowed_keys(mask, causal, tq, tk, q.device)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     p = torch.softmax(scores, dim=-1)

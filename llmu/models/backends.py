@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from llmu.attention.reference import attention as naive_attention
-from llmu.attention.reference import causal_mask, check_attention_mask
+from llmu.attention.reference import allowed_keys, causal_mask, check_attention_mask
 
 
 @dataclass(frozen=True)
@@ -111,9 +111,7 @@ def _sdpa_masked(q, k, v, *, causal: bool, mask: torch.Tensor, scale: float | No
     if k.shape[:3] != v.shape[:3]:
         raise ValueError(f"k and v must agree in batch, heads and length (only head_dim may differ), got "
                          f"k {tuple(k.shape)} and v {tuple(v.shape)}")
-    check_attention_mask(mask, (b, h, tq, tk), q.device)
-    if causal:
-        mask = mask & causal_mask(tq, tk, device=q.device)
+    mask = allowed_keys(check_attention_mask(mask, (b, h, tq, tk), q.device), causal, tq, tk, q.device)
     if mask.ndim < 2:
         mask = mask[(None,) * (2 - mask.ndim)]   # torch wants at least (Tq, Tk): a (Tk,) mask becomes (1, Tk)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=h != hkv)

@@ -40,7 +40,7 @@ import json
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
-from llmu.tokenization.byte_alphabet import bytes_to_token, token_to_bytes
+from llmu.tokenization.byte_alphabet import bytes_to_token, merge_to_bytes, token_to_bytes
 from llmu.tokenization.pretokenize import (Pretokenizer, _check_special_tokens, pretokenize_gpt2,
                                            split_special_tokens)
 
@@ -121,15 +121,10 @@ class BPETokenizer:
         as_bytes = {i: (tok.encode("utf-8") if tok in specials else token_to_bytes(tok)) for tok, i in vocab.items()}
         pairs = []
         for k, m in enumerate(merges):
-            if isinstance(m, str):
-                parts = m.split(" ")
-                if len(parts) != 2:
-                    raise ValueError(f"merges[{k}] = {m!r}: expected two tokens separated by one space")
-            elif isinstance(m, (tuple, list)) and len(m) == 2:
-                parts = list(m)
-            else:
-                raise TypeError(f"merges[{k}] must be 'left right' or a pair of str, got {m!r}")
-            pairs.append((token_to_bytes(parts[0]), token_to_bytes(parts[1])))
+            try:
+                pairs.append(merge_to_bytes(m))
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"merges[{k}]: {e}") from None
         return cls(as_bytes, pairs, special_tokens, pretokenizer=pretokenizer)
 
     @classmethod

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-__all__ = ["bytes_to_unicode", "unicode_to_bytes", "token_to_bytes", "bytes_to_token"]
+__all__ = ["bytes_to_unicode", "unicode_to_bytes", "token_to_bytes", "bytes_to_token", "merge_to_bytes"]
 
 
 @lru_cache(maxsize=1)
@@ -57,3 +57,17 @@ def bytes_to_token(data: bytes) -> str:
         raise TypeError(f"data must be bytes, got {type(data).__name__}")
     table = bytes_to_unicode()
     return "".join(table[b] for b in data)
+
+
+def merge_to_bytes(merge) -> tuple[bytes, bytes]:
+    """One merge as files store it, ``"Ġ t"`` (two tokens and one space) or a pair of str, as the
+    pair of byte strings it joins: ``(b" ", b"t")``."""
+    if isinstance(merge, str):
+        parts = merge.split(" ")
+        if len(parts) != 2:
+            raise ValueError(f"merge {merge!r}: expected two tokens separated by one space")
+    elif isinstance(merge, (tuple, list)) and len(merge) == 2:
+        parts = list(merge)
+    else:
+        raise TypeError(f"a merge must be 'left right' or a pair of str, got {merge!r}")
+    return token_to_bytes(parts[0]), token_to_bytes(parts[1])

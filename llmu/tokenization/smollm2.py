@@ -15,12 +15,10 @@ from __future__ import annotations
 import os
 
 from llmu.tokenization.bpe import BPETokenizer
-from llmu.tokenization.byte_alphabet import token_to_bytes
+from llmu.tokenization.byte_alphabet import merge_to_bytes, token_to_bytes
 from llmu.tokenization.pretokenize import pretokenize_smollm2
 
 __all__ = ["smollm2_vocab_merges", "smollm2_tokenizer"]
-
-CONTROL = 3  # llama.cpp's token type for special (control) tokens
 
 
 def smollm2_vocab_merges(path: str | os.PathLike | None = None
@@ -28,6 +26,7 @@ def smollm2_vocab_merges(path: str | os.PathLike | None = None
     """``(vocab, merges, special_tokens)`` of the GGUF file at ``path`` (the course's SmolLM2 file
     by default): ids -> bytes, merges as pairs of bytes in rank order, the special tokens' text."""
     from llmu.models.gguf_file import GGUFFile  # reads the file with the gguf package
+    from llmu.models.tokenizer import CONTROL    # llama.cpp's token type for special (control) tokens
 
     with (GGUFFile() if path is None else GGUFFile(path)) as f:
         if f.get("tokenizer.ggml.model") != "gpt2":
@@ -38,11 +37,7 @@ def smollm2_vocab_merges(path: str | os.PathLike | None = None
     specials = [tok for tok, t in zip(tokens, types) if t == CONTROL]
     vocab = {i: (tok.encode("utf-8") if t == CONTROL else token_to_bytes(tok))
              for i, (tok, t) in enumerate(zip(tokens, types))}
-    merges = []
-    for line in merge_lines:
-        left, right = line.split(" ")
-        merges.append((token_to_bytes(left), token_to_bytes(right)))
-    return vocab, merges, specials
+    return vocab, [merge_to_bytes(line) for line in merge_lines], specials
 
 
 def smollm2_tokenizer(path: str | os.PathLike | None = None) -> BPETokenizer:

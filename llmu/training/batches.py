@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from llmu.training.loop import _require_int
+from llmu.checks import require_int
 
 __all__ = ["get_batch"]
 
@@ -42,8 +42,8 @@ def get_batch(tokens, batch_size: int, context_length: int, device=None, *,
     where the batch goes (``None``: the CPU). ``generator``: a CPU ``torch.Generator`` that draws
     the start positions.
     """
-    batch_size = _require_int("batch_size", batch_size, 1)
-    context_length = _require_int("context_length", context_length, 1)
+    batch_size = require_int("batch_size", batch_size, 1)
+    context_length = require_int("context_length", context_length, 1)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     if isinstance(tokens, torch.Tensor):

@@ -20,8 +20,9 @@ previous checkpoint whole. ``load_checkpoint(src, model, optimizer)`` restores t
 returns the iteration. It loads with ``weights_only=True``: a checkpoint is data, and unpickling
 arbitrary objects from a file would run whatever code the file names.
 
-``llmu.training.loop.Trainer`` has its own ``save_checkpoint``/``load_checkpoint`` methods, which
-store the same things plus its config and history.
+``llmu.training.loop.Trainer``'s ``save_checkpoint``/``load_checkpoint`` methods store the same
+things plus its config and history, in a layout of their own, written and read by the same
+:func:`write_state` and :func:`read_state`.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from llmu.training.loop import _require_int
+from llmu.checks import require_int
 
-__all__ = ["save_checkpoint", "load_checkpoint"]
+__all__ = ["save_checkpoint", "load_checkpoint", "write_state", "read_state"]
 
 
 def _check_parts(model, optimizer) -> None:
@@ -62,20 +63,9 @@ def _is_path(x) -> bool:
     return isinstance(x, (str, os.PathLike))
 
 
-def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, iteration: int, out, *,
-                    extra: Mapping | None = None) -> None:
-    """Write ``model``'s weights, ``optimizer``'s state, ``iteration`` and the state of each object
-    of ``extra`` to ``out`` (a path, written atomically, or a binary file object)."""
-    _check_parts(model, optimizer)
-    iteration = _require_int("iteration", iteration, 0)
-    extra = _check_extra(extra)
-    state = {
-        "iteration": iteration,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "extra": {name: obj.get_state() if isinstance(obj, torch.Generator) else obj.state_dict()
-                  for name, obj in extra.items()},
-    }
+def write_state(state: dict, out) -> None:
+    """``torch.save(state)`` to ``out``: a path, written beside it and renamed over it (``os.replace``
+    is atomic: a crash mid-write leaves the previous file whole), or a binary file object."""
     if _is_path(out):
         path = os.fspath(out)
         partial = path + ".partial"
@@ -87,6 +77,31 @@ def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, iteratio
         raise TypeError(f"out must be a path (str or os.PathLike) or a binary file object, got {type(out).__name__}")
 
 
+def read_state(src) -> dict:
+    """What :func:`write_state` wrote, from a path or a binary file object, on the CPU, with
+    ``weights_only=True`` (a checkpoint is data: nothing in it is run)."""
+    if not (_is_path(src) or hasattr(src, "read")):
+        raise TypeError(f"src must be a path (str or os.PathLike) or a binary file object, got {type(src).__name__}")
+    return torch.load(os.fspath(src) if _is_path(src) else src, map_location="cpu", weights_only=True)
+
+
+def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, iteration: int, out, *,
+                    extra: Mapping | None = None) -> None:
+    """Write ``model``'s weights, ``optimizer``'s state, ``iteration`` and the state of each object
+    of ``extra`` to ``out`` (a path, written atomically, or a binary file object)."""
+    _check_parts(model, optimizer)
+    iteration = require_int("iteration", iteration, 0)
+    extra = _check_extra(extra)
+    state = {
+        "iteration": iteration,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "extra": {name: obj.get_state() if isinstance(obj, torch.Generator) else obj.state_dict()
+                  for name, obj in extra.items()},
+    }
+    write_state(state, out)
+
+
 def load_checkpoint(src, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                     extra: Mapping | None = None) -> int:
     """Restore a :func:`save_checkpoint` file from ``src`` (a path or a binary file object) into
@@ -94,9 +109,7 @@ def load_checkpoint(src, model: nn.Module, optimizer: torch.optim.Optimizer, *,
     return the saved iteration."""
     _check_parts(model, optimizer)
     extra = _check_extra(extra)
-    if not (_is_path(src) or hasattr(src, "read")):
-        raise TypeError(f"src must be a path (str or os.PathLike) or a binary file object, got {type(src).__name__}")
-    state = torch.load(os.fspath(src) if _is_path(src) else src, map_location="cpu", weights_only=True)
+    state = read_state(src)
     missing = sorted(set(extra) - set(state["extra"]))
     if missing:
         raise KeyError(f"the checkpoint holds no state for extra {missing} (it has {sorted(state['extra'])})")

@@ -57,7 +57,6 @@ gives an ``llmu.models.LlamaModel`` fresh trainable weights (``make_trainable``)
 from __future__ import annotations
 
 import math
-import operator
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -66,31 +65,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmu.checks import require_positive
+from llmu.checks import require_int as _require_int, require_positive
 from llmu.data import byte_tokens, text as shipped_text
+from llmu.training.checkpoint import read_state, write_state
 
 __all__ = ["WARMUP_STARTS", "warmup_cosine", "warmup_cosine_scheduler", "adamw_param_groups", "clip_grad_norm", "optimizer_update",
            "TokenWindows", "TrainConfig", "StepLog", "Trainer", "OptimizerMemory", "optimizer_state_memory", "adamw_state_bytes"]
-
-
-def _require_int(name: str, value, minimum: int = 0) -> int:
-    """``value`` as an int ``>= minimum`` (bools refused), or TypeError/ValueError naming ``name``."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {value!r}") from None
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 # ----------------------------------------------------------------------------------------------
 # Learning-rate schedule
 # ----------------------------------------------------------------------------------------------
 
-def _check_schedule(warmup, total, peak_lr, min_lr) -> None:
+#: The two conventions for the first warmup step (:func:`warmup_cosine`).
+WARMUP_STARTS = ("one", "zero")
+
+
+def _check_schedule(warmup, total, peak_lr, min_lr, warmup_start: str = "one") -> None:
     _require_int("total", total, 1)
     _require_int("warmup", warmup, 0)
     if warmup > total:
@@ -100,9 +91,9 @@ def _check_schedule(warmup, total, peak_lr, min_lr) -> None:
         raise TypeError(f"min_lr must be a number, got {min_lr!r}")
     if not 0 <= min_lr <= peak_lr:
         raise ValueError(f"min_lr must be in [0, peak_lr={peak_lr}], got {min_lr}")
+    if warmup_start not in WARMUP_STARTS:
+        raise ValueError(f"warmup_start must be one of {WARMUP_STARTS}, got {warmup_start!r}")
 
-
-WARMUP_STARTS = ("one", "zero")
 
 
 def warmup_cosine(step: int, warmup: int, total: int, peak_lr: float, min_lr: float = 0.0, *,
@@ -130,10 +121,8 @@ def warmup_cosine(step: int, warmup: int, total: int, peak_lr: float, min_lr: fl
       (the same under both conventions);
     - ``step > total``: ``min_lr`` (training past the plan keeps the final rate).
     """
-    _check_schedule(warmup, total, peak_lr, min_lr)
+    _check_schedule(warmup, total, peak_lr, min_lr, warmup_start)
     step = _require_int("step", step, 0)
-    if warmup_start not in WARMUP_STARTS:
-        raise ValueError(f"warmup_start must be one of {WARMUP_STARTS}, got {warmup_start!r}")
     if step < warmup:
         return peak_lr * (step + (warmup_start == "one")) / warmup
     if step >= total:
@@ -151,9 +140,7 @@ def warmup_cosine_scheduler(optimizer: torch.optim.Optimizer, warmup: int, total
     the position (``last_epoch``)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    _check_schedule(warmup, total, 1.0, min_lr_ratio)
-    if warmup_start not in WARMUP_STARTS:
-        raise ValueError(f"warmup_start must be one of {WARMUP_STARTS}, got {warmup_start!r}")
+    _check_schedule(warmup, total, 1.0, min_lr_ratio, warmup_start)
 
     def factor(step: int) -> float:            # the schedule with peak 1: LambdaLR multiplies by each group's lr
         return warmup_cosine(step, warmup, total, 1.0, min_lr_ratio, warmup_start=warmup_start)
@@ -461,16 +448,12 @@ class Trainer:
             "rng": {"torch_cpu": torch.get_rng_state()},
             "history": [asdict(log) for log in self.history],
         }
-        path = os.fspath(path)
-        partial = path + ".partial"
-        torch.save(state, partial)
-        os.replace(partial, path)
+        write_state(state, os.fspath(path))
 
     def load_checkpoint(self, path) -> None:
         """Restore a :meth:`save_checkpoint` file into this trainer, whose config must be the
         saved one (a different schedule or batch would not continue the same run)."""
-        # weights_only: a checkpoint is data; unpickling arbitrary objects would run their code
-        state = torch.load(os.fspath(path), map_location="cpu", weights_only=True)
+        state = read_state(os.fspath(path))           # weights_only: a checkpoint is data, nothing in it runs
         mine = asdict(self.config)
         differ = sorted(k for k in mine if mine[k] != state["config"].get(k))
         if differ:
