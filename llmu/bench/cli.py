@@ -76,6 +76,9 @@ def ratio_note(row: dict) -> str:
         if row.get("ratio_overlaps_1"):
             text += ", not distinguishable from 1"
         parts.append(text)
+    if row.get("over_modules") is not None:
+        parts.append(f"x{format_ratio(row['over_modules'])} ({format_ratio(row['over_modules_min'])}.."
+                     f"{format_ratio(row['over_modules_max'])}) over the module path")
     if row.get("roof_fraction") is not None:
         parts.append(f"{row['roof_fraction']:.0%} of the memory roof ({row['roof_tokens_per_s']:.1f} tokens/s at "
                      f"{row['bandwidth_gbs']:.1f} GB/s, {row.get('threads', '?')} threads)")

@@ -13,7 +13,10 @@ same threads for both providers. One generation gives both figures, the prefill 
 - decode tokens/s = ``(new - 1) / (t_end - t_first)``: the other tokens, one forward pass each,
   each reading every weight once (memory-bound), so tokens/s is about bandwidth / model bytes.
 
-llmu and transformers are called in turn (``llmu, transformers, llmu, ...``, ``repeats`` rounds
+Three providers: ``"llmu"`` (``generate_ids``, whose decode steps run through
+:class:`llmu.models.decode_step.DecodeStep`), ``"llmu (modules)"`` (the same generation with every
+decode step through the model's modules: what the step buys) and ``"transformers"``.
+They are called in turn (``llmu, llmu (modules), transformers, llmu, ...``, ``repeats`` rounds
 after a short warm-up, :func:`llmu.bench.interleave`); each row carries its median and spread,
 the paired ratio ``llmu_r / transformers_r`` of every round (median, min..max, and whether that
 includes 1), and the load average. Both must produce the same tokens: transformers' model is
@@ -31,15 +34,16 @@ transformers is an optional provider (left out when it is not installed).
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 
 from llmu import runtime
-from llmu.bench.paired import Paired, first_difference, interleave
+from llmu.bench.paired import Paired, first_difference, interleave, spread
 from llmu.bench.registry import Entry, register
 
-PROVIDERS = ("llmu", "transformers")
+PROVIDERS = ("llmu", "llmu (modules)", "transformers")
 
 
 def to_transformers(model):
@@ -84,19 +88,22 @@ def _prompt(vocab_size: int, length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(100, vocab_size, (1, length), generator=g)
 
 
-def run_llmu(model, prompt: torch.Tensor, new_tokens: int) -> dict:
+def run_llmu(model, prompt: torch.Tensor, new_tokens: int, *, modules: bool = False) -> dict:
     """One greedy generation of exactly ``new_tokens`` by llmu after ``prompt`` (``(1, T)``):
-    ``prefill_s`` (the call to the first new token), ``decode_s`` (first token to last) and ``ids``."""
-    from llmu.models.generate import generate_ids
+    ``prefill_s`` (the call to the first new token), ``decode_s`` (first token to last), ``ids``
+    and ``decode_path``. ``modules``: decode through the model's modules, not ``DecodeStep``."""
+    from llmu.models import decode_step
+    from llmu.models.generate import GenerationStats, generate_ids
 
-    prompt_ids, ids = prompt[0].tolist(), []
-    start = first = time.perf_counter()
-    for token in generate_ids(model, prompt_ids, new_tokens):
-        if not ids:
-            first = time.perf_counter()
-        ids.append(token)
-    end = time.perf_counter()
-    return {"prefill_s": first - start, "decode_s": end - first, "ids": ids}
+    prompt_ids, ids, stats = prompt[0].tolist(), [], GenerationStats()
+    with decode_step.disabled() if modules else contextlib.nullcontext():
+        start = first = time.perf_counter()
+        for token in generate_ids(model, prompt_ids, new_tokens, stats=stats):
+            if not ids:
+                first = time.perf_counter()
+            ids.append(token)
+        end = time.perf_counter()
+    return {"prefill_s": first - start, "decode_s": end - first, "ids": ids, "decode_path": stats.decode_path}
 
 
 def run_transformers(hf_model, prompt: torch.Tensor, new_tokens: int) -> dict:
@@ -152,6 +159,8 @@ def compare_decode(model, prompt_len: int = 128, new_tokens: int = 64, repeats: 
     runs = {}
     if "llmu" in providers:
         runs["llmu"] = lambda n: run_llmu(model, prompt, n)
+    if "llmu (modules)" in providers:
+        runs["llmu (modules)"] = lambda n: run_llmu(model, prompt, n, modules=True)
     if "transformers" in providers:
         hf = hf_model if hf_model is not None else benchmark_copy(model)
         runs["transformers"] = lambda n: run_transformers(hf, prompt, n)
@@ -164,9 +173,9 @@ def compare_decode(model, prompt_len: int = 128, new_tokens: int = 64, repeats: 
                 "prefill_tokens_per_s": prompt_len / max(r["prefill_s"], 1e-9), "output": r["ids"]}
 
     calls = {name: (lambda run=run: figures(run)) for name, run in runs.items()}
-    both = len(calls) == 2
-    return interleave(calls, repeats, warmup=0, base="transformers" if both else None,
-                      figure="decode_tokens_per_s", check=both,
+    base = "transformers" if "transformers" in calls and len(calls) > 1 else None
+    return interleave(calls, repeats, warmup=0, base=base, figure="decode_tokens_per_s", check=len(calls) > 1,
+                      reference=base or next(iter(calls)),
                       compare=lambda want, got: first_difference(want, got, ("token",)))
 
 
@@ -190,7 +199,7 @@ def _run(size: dict, device) -> list[dict]:
 
     dtype = torch.float32  # on a GPU too: the ids are compared (the module's docstring)
     model = load_model(dtype=dtype, device=device)
-    providers = ["llmu"]
+    providers = ["llmu", "llmu (modules)"]
     try:
         import transformers  # noqa: F401
 
@@ -207,14 +216,24 @@ def _run(size: dict, device) -> list[dict]:
         for phase in ("prefill", "decode"):
             fields = paired.row_fields(provider, f"{phase}_tokens_per_s", key="tokens_per_s")
             row = dict(
-                provider=provider, label=f"{provider} {phase}", kind="torch" if provider == "llmu" else "external",
-                phase=phase, **fields,
+                provider=provider, label=f"{provider} {phase}",
+                kind="torch" if provider.startswith("llmu") else "external", phase=phase, **fields,
                 flops=2.0 * params, bytes=float(params * elem), dtype=dtype, threads=torch.get_num_threads(),
             )
             if phase == "decode":
                 row.update(roof, roof_fraction=fields["tokens_per_s"] / roof["roof_tokens_per_s"])
+                if provider == "llmu" and "llmu (modules)" in paired.names:
+                    row.update(_over_modules(paired))
             rows.append(row)
     return rows
+
+
+def _over_modules(paired) -> dict:
+    """What ``DecodeStep`` buys: llmu's decode tokens/s over the module path's, paired by round."""
+    figure = "decode_tokens_per_s"
+    ratios = [a / b for a, b in zip(paired.samples["llmu"][figure], paired.samples["llmu (modules)"][figure])]
+    s = spread(ratios)
+    return {"over_modules": s["median"], "over_modules_min": s["min"], "over_modules_max": s["max"]}
 
 
 def decode_roof(model, device=None, budget_s: float = 1.0) -> dict:
@@ -236,8 +255,9 @@ DECODE = register(
     Entry(
         name="decode_tokens_per_s",
         module="00_welcome",
-        description="SmolLM2-135M generation, batch 1: prefill and decode tokens/s, llmu vs transformers in turn "
-                    "(paired ratio, identical greedy ids enforced; ms, flops, bytes per token)",
+        description="SmolLM2-135M generation, batch 1: prefill and decode tokens/s, llmu (DecodeStep), llmu "
+                    "through its modules and transformers in turn (paired ratios, identical greedy ids enforced; "
+                    "ms, flops, bytes per token)",
         run=_run,
         gpu_sizes=[{"prompt": 128, "new": 128, "repeats": 5}, {"prompt": 1024, "new": 128, "repeats": 5}],
         cpu_sizes=[{"prompt": 128, "new": 64, "repeats": 5}],

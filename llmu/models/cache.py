@@ -75,6 +75,14 @@ class KVCache:
         self._lengths[layer] = end
         return ck[:, :, :end], cv[:, :, :end]
 
+    def advance(self, length: int) -> None:
+        """Mark every layer as holding ``length`` positions, after a caller wrote positions
+        ``self.length .. length - 1`` of every layer straight into ``k[layer]`` and ``v[layer]``
+        (``llmu.models.decode_step`` does, to skip :meth:`append`'s checks in its hot loop)."""
+        if isinstance(length, bool) or not isinstance(length, int) or not self.length <= length <= self.max_len:
+            raise ValueError(f"length must be an int in {self.length}..{self.max_len}, got {length!r}")
+        self._lengths = [length] * self.num_layers
+
     def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values layer ``layer`` holds, ``(B, Hkv, length, D)`` views."""
         n = self._lengths[layer]

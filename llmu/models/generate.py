@@ -11,6 +11,10 @@
 
 Prefill is a few large matrix products (compute-bound); every decode step reads all the weights
 to produce one token (memory-bound). Module 05 measures both; :class:`GenerationStats` reports them.
+The decode steps of the stock model run through :class:`llmu.models.decode_step.DecodeStep`, the
+same arithmetic in a few PyTorch calls per layer rather than about sixty (``stats.decode_path``
+says ``"decode_step"``); any model it cannot reproduce exactly (another attention backend, a hook,
+replaced projections) decodes through its modules (``"modules"``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from llmu.checks import require_token_ids
+from llmu.models import decode_step
 from llmu.models.cache import KVCache
 from llmu.models.sampling import SamplingParams, next_token
 
@@ -34,6 +39,8 @@ class GenerationStats:
     new_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0  # time of the decode steps: new_tokens - 1 forward passes plus sampling
+    #: how the decode steps ran: ``"decode_step"`` (llmu.models.decode_step) or ``"modules"``
+    decode_path: str = ""
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -167,6 +174,12 @@ def _generate_ids(model, prompt_ids: list[int], max_new_tokens: int, params: Sam
     with torch.inference_mode():
         logits = model(context[:, :n], cache=cache, last_only=True).logits[:, -1]
     stats.prefill_s = time.perf_counter() - start
+    # the decode steps: the stock model through DecodeStep (the same arithmetic in fewer calls),
+    # anything else through its modules; decided once, here
+    fast = None
+    if decode_step.ENABLED and decode_step.unsupported(model, cache) is None:
+        fast = decode_step.DecodeStep(model)
+    stats.decode_path = "decode_step" if fast is not None else "modules"
     for step in range(max_new_tokens):
         start = time.perf_counter()
         with torch.inference_mode():
@@ -181,7 +194,10 @@ def _generate_ids(model, prompt_ids: list[int], max_new_tokens: int, params: Sam
             break
         start = time.perf_counter()
         with torch.inference_mode():
-            logits = model(context[:, n - 1 : n], cache=cache, last_only=True).logits[:, -1]
+            if fast is not None:
+                logits = fast(token_id, cache)  # (1, vocab)
+            else:
+                logits = model(context[:, n - 1 : n], cache=cache, last_only=True).logits[:, -1]
         stats.decode_s += time.perf_counter() - start
 
 

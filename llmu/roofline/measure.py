@@ -229,8 +229,9 @@ def latency_metrics(model, prompt_lens: Sequence[int] = (16, 64, 256), new_token
 
     Returns one dict per prompt length: ``prompt_len``, ``new_tokens``, ``ttft_s``, ``tpot_s``
     (mean gap), ``ttlt_s``, ``gap_median_s``, ``gap_min_s``, ``gap_max_s``, and from
-    :class:`llmu.models.GenerationStats` ``prefill_s`` (the prompt's forward pass alone) and
-    ``decode_s`` (the decode steps and sampling).
+    :class:`llmu.models.GenerationStats` ``prefill_s`` (the prompt's forward pass alone),
+    ``decode_s`` (the decode steps and sampling) and ``decode_path`` (``"decode_step"`` or
+    ``"modules"``: see ``llmu.models.decode_step``).
     """
     from llmu.models.generate import GenerationStats, generate_ids
 
@@ -258,7 +259,8 @@ def latency_metrics(model, prompt_lens: Sequence[int] = (16, 64, 256), new_token
         gaps = [b - a for a, b in zip(times, times[1:])]
         return dict(prompt_len=len(ids), new_tokens=lat.n_tokens, ttft_s=lat.ttft, tpot_s=lat.tpot,
                     ttlt_s=lat.ttlt, gap_median_s=statistics.median(gaps), gap_min_s=min(gaps),
-                    gap_max_s=max(gaps), prefill_s=stats.prefill_s, decode_s=stats.decode_s)
+                    gap_max_s=max(gaps), prefill_s=stats.prefill_s, decode_s=stats.decode_s,
+                    decode_path=stats.decode_path)
 
     rows = []
     with Threads(threads):

@@ -23,9 +23,13 @@ raises :class:`OutputMismatch`).
 
 What it shows: a step costs one target pass over ``gamma + 1`` tokens, on a GPU about the price
 of a pass over one (decoding reads every weight once per pass, module 05), plus the draft's work.
-On one CPU thread in float32 the pass is not that cheap: after a 140-token prompt SmolLM2's pass
-over one token took 57 ms, over two 87 ms, over three to nine 93 to 113 ms, so there a step must
-emit 1.5 to 2 tokens to break even. Prompt lookup is free, and on the ``edit`` and ``summarise``
+On a CPU the pass is only that cheap if the matrix products of a few rows run at the rate of
+memory: with two threads on the course's machine the BLAS took 19.7 ms for the weights' products
+of one row and 45.6 ms for seven, and oneDNN, from weights copied once into its own layout
+(``llmu.models.decode_step``, ``pack=True``), 26.7 ms for seven. Both sides decode through
+``DecodeStep``; a verification pass of ``PACKED_MIN_ROWS`` tokens or more uses the packed copy, made
+when the target's cache is built (``setup_s`` in the rows, about 0.4 s, outside the timed
+generation like the prefill: a server would make it once per model). Prompt lookup is free, and on the ``edit`` and ``summarise``
 prompts (outputs that copy their prompt) its proposals are often right: several tokens a step. On
 ``story`` it rarely is, and each accidental match costs a wider verification. An early exit
 proposes with ``exit`` of 30 blocks *and the whole LM head* (49,152 x 576, a fifth of a target
@@ -35,7 +39,8 @@ few percent of the proposals are accepted, so it slows decoding down.
 Rows (``provider``): ``plain``, ``n-gram``, ``early exit <k>``; ``tokens_per_s`` and ``ms`` (per
 decoded token, the prefill left out), ``speedup`` and ``ratio`` (over plain's, paired),
 ``acceptance`` (accepted proposals over proposals made), ``tokens_per_step``, ``gamma``,
-``draft_share`` (the draft's seconds over the generation's), ``tokens`` and ``steps``. The model
+``draft_share`` (the draft's seconds over the generation's), ``tokens`` and ``steps``,
+``packed_weights`` and ``setup_s``. The model
 runs in float32 on a GPU too: the comparison of tokens needs plain decoding (one token a pass)
 and verification (``gamma + 1`` a pass) to agree on every argmax, and the two passes' matmuls
 have different shapes, hence different roundings: in bfloat16 that can flip a near-tie (float32
@@ -170,6 +175,7 @@ def compare_spec(model, prompt: Sequence[int], runs: Mapping[str, tuple[Draft, i
             return {"decode_tokens_per_s": (len(out.tokens) - 1) / decode_s, "seconds": s.total_s,
                     "draft_s": s.draft_s, "target_s": s.target_s, "output": out.tokens,
                     "info": dict(tokens=len(out.tokens), steps=s.steps, gamma=gamma, tokens_per_step=s.tokens_per_step,
+                                 packed=s.packed, setup_s=s.setup_s,
                                  acceptance=None if gamma == 0 or not sum(s.proposed) else s.acceptance_rate)}
         return one_round
 
@@ -224,6 +230,7 @@ def _run(size: dict, device) -> list[dict]:
             tokens_per_step=info["tokens_per_step"], gamma=info["gamma"],
             draft_share=paired.stats(name, "draft_s")["median"] / paired.stats(name, "seconds")["median"],
             tokens=info["tokens"], steps=info["steps"], dtype=torch.float32,
+            packed_weights=info["packed"], setup_s=info["setup_s"],
         ))
     return rows
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmu.models import decode_step
+from llmu.models import llama
 from llmu.models.sampling import SamplingParams, probabilities
 from llmu.spec import reference
 from llmu.spec.drafts import Draft, check_params, rewind
@@ -54,11 +56,26 @@ class ContiguousTarget:
     the paged pool of module 09): ``length`` (positions it holds), ``crop(n)`` (forget every
     position from ``n`` on: rejected proposals fall off), and ``forward(ids)`` (append ``ids`` and
     return their logits, ``(len(ids), V)``).
+
+    A pass over at most ``llmu.models.llama.SPLIT_GEMV_MAX_ROWS`` tokens (a decode step, a
+    verification) of the stock model runs through :class:`llmu.models.decode_step.DecodeStep`, as
+    plain generation's do, so that plain and speculative decoding are timed on the same footing.
+    ``pack``: let that step copy the weights into oneDNN's layout for verification passes of
+    ``decode_step.PACKED_MIN_ROWS`` tokens or more, when PyTorch can and the memory holds the copy
+    (``decode_step.packing_fits``); ``packed`` says whether it did.
     """
 
-    def __init__(self, model, max_len: int):
+    def __init__(self, model, max_len: int, *, pack: bool = False):
         self.model = model
         self.cache = model.new_cache(batch_size=1, max_len=max_len)
+        self.step = None
+        if decode_step.ENABLED and decode_step.unsupported(model, self.cache) is None:
+            pack = pack and decode_step.packing_unavailable() is None and decode_step.packing_fits(model)
+            self.step = decode_step.DecodeStep(model, pack=pack)
+
+    @property
+    def packed(self) -> bool:
+        return self.step is not None and self.step.pack
 
     @property
     def length(self) -> int:
@@ -68,17 +85,21 @@ class ContiguousTarget:
         self.cache.crop(length)
 
     def forward(self, ids: Sequence[int]) -> torch.Tensor:
+        if self.step is not None and len(ids) <= llama.SPLIT_GEMV_MAX_ROWS:
+            return self.step(list(ids), self.cache)
         x = torch.tensor([list(ids)], device=self.model.device)
         return self.model(x, cache=self.cache).logits[0]
 
 
-def _target_cache(target, kind: str, max_len: int, block_size: int):
-    """The target cache of ``kind`` (one of :data:`CACHES`, checked by the caller)."""
+def _target_cache(target, kind: str, max_len: int, block_size: int, gamma: int):
+    """The target cache of ``kind`` (one of :data:`CACHES`, checked by the caller); the contiguous
+    one packs its weights when the verification passes (``gamma + 1`` tokens) are long enough to
+    gain from it."""
     if kind == "paged":
         from llmu.spec.paged import PagedTarget
 
         return PagedTarget(target, max_len, block_size=block_size)
-    return ContiguousTarget(target, max_len)
+    return ContiguousTarget(target, max_len, pack=gamma + 1 >= decode_step.PACKED_MIN_ROWS)
 
 
 @dataclass
@@ -91,6 +112,10 @@ class SpecStats:
     draft_s: float = 0.0
     target_s: float = 0.0
     total_s: float = 0.0
+    #: building the target's cache before the first step (with ``packed``, copying the weights
+    #: into oneDNN's layout): a cost per model in a server, outside ``total_s``
+    setup_s: float = 0.0
+    packed: bool = False
 
     @property
     def steps(self) -> int:
@@ -143,10 +168,12 @@ def speculative_generate(target, draft: Draft, prompt_ids: Sequence[int], max_ne
     accept_fn = accept_fn or reference.accept_reject
     generator = torch.Generator(device="cpu").manual_seed(params.seed) if params.seed is not None else None
     max_len = len(prompt) + max_new_tokens + gamma + 1
-    kv = _target_cache(target, cache, max_len, block_size)
+    t0 = time.perf_counter()
+    kv = _target_cache(target, cache, max_len, block_size, gamma)
+    stats = SpecStats(setup_s=time.perf_counter() - t0, packed=getattr(kv, "packed", False))
     draft.begin(max_len)
     held: list[int] = []
-    context, out, stats = list(prompt), [], SpecStats()
+    context, out = list(prompt), []
     start = time.perf_counter()
     while len(out) < max_new_tokens:
         # -- 1. the draft proposes (never more than the budget can take after the step's own token)

@@ -69,9 +69,10 @@ def test_transformers_makes_exactly_n_tokens_and_llmu_s_ids():
 def test_llmu_and_transformers_are_called_in_turn():
     pytest.importorskip("transformers")
     p = models_bench.compare_decode(_tiny(), prompt_len=5, new_tokens=4, repeats=3)
-    assert p.order == ["llmu", "transformers"] * 3 and p.base == "transformers" and p.mismatches == {}
+    assert p.order == ["llmu", "llmu (modules)", "transformers"] * 3 and p.base == "transformers"
+    assert p.mismatches == {}
     assert set(p.samples["llmu"]) == {"decode_tokens_per_s", "prefill_tokens_per_s"}
-    assert p.outputs["llmu"] == p.outputs["transformers"]
+    assert p.outputs["llmu"] == p.outputs["llmu (modules)"] == p.outputs["transformers"]
     with pytest.raises(ValueError, match="providers"):
         models_bench.compare_decode(_tiny(), 5, 4, providers=("vllm",))
 
@@ -80,13 +81,17 @@ def test_entry_rows_on_a_tiny_model(monkeypatch):
     pytest.importorskip("transformers")
     monkeypatch.setattr(loading, "load_model", lambda dtype, device: _tiny().to(dtype))
     rows = models_bench._run({"prompt": 5, "new": 4, "repeats": 2}, "cpu")
-    assert [r["label"] for r in rows] == ["llmu prefill", "llmu decode", "transformers prefill",
-                                          "transformers decode"]
+    assert [r["label"] for r in rows] == ["llmu prefill", "llmu decode", "llmu (modules) prefill",
+                                          "llmu (modules) decode", "transformers prefill", "transformers decode"]
     for r in rows:
         assert r.get("status", "ok") == "ok" and r["rounds"] == 2 and r["n_samples"] == 2
         assert r["ms"] == pytest.approx(1e3 / r["tokens_per_s"]) and r["ratio_to"] == "transformers"
         assert "load_avg_start" in r and "load_avg_end" in r
-    llmu_decode, hf_decode = rows[1], rows[3]
+    llmu_decode, hf_decode = rows[1], rows[5]
+    # what DecodeStep buys, paired by round, on llmu's decode row only (and in the printed note)
+    assert llmu_decode["over_modules_min"] <= llmu_decode["over_modules"] <= llmu_decode["over_modules_max"]
+    assert all("over_modules" not in r for r in rows if r is not llmu_decode)
+    assert "over the module path" in ratio_note(llmu_decode)
     assert llmu_decode["ratio_min"] <= llmu_decode["ratio"] <= llmu_decode["ratio_max"]
     assert llmu_decode["speedup"] == llmu_decode["ratio"] and isinstance(llmu_decode["ratio_overlaps_1"], bool)
     assert hf_decode["ratio"] is None and hf_decode["speedup"] == 1.0
@@ -96,7 +101,7 @@ def test_entry_rows_on_a_tiny_model(monkeypatch):
         assert r["weight_bytes_per_token"] == model.num_parameters() * 4 and r["bandwidth_gbs"] > 0
         assert r["roof_tokens_per_s"] == pytest.approx(r["bandwidth_gbs"] * 1e9 / r["weight_bytes_per_token"])
         assert r["roof_fraction"] == pytest.approx(r["tokens_per_s"] / r["roof_tokens_per_s"])
-    assert "roof_fraction" not in rows[0] and "roof_fraction" not in rows[2]    # prefill is not bound by it
+    assert not any("roof_fraction" in r for r in rows[0::2])    # prefill is not bound by it
     assert "of the memory roof (" in ratio_note(llmu_decode)
 
 
@@ -112,7 +117,7 @@ def test_entry_fails_when_the_ids_differ(monkeypatch):
     monkeypatch.setattr(models_bench, "run_transformers", other_ids)
     rows = models_bench._run({"prompt": 5, "new": 4, "repeats": 2}, "cpu")
     by = {r["label"]: r for r in rows}
-    for label in ("llmu prefill", "llmu decode"):
+    for label in ("llmu prefill", "llmu decode", "llmu (modules) prefill", "llmu (modules) decode"):
         assert by[label]["status"] == "error"
         assert "output differs from transformers's in round 1: token 3" in by[label]["reason"]
     assert "status" not in by["transformers decode"]

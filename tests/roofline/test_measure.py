@@ -90,6 +90,7 @@ def test_latency_metrics_on_the_model(smollm2):
         # and prefill + decode steps are part of TTLT (ours also counts the loop around them).
         assert r["prefill_s"] <= r["ttft_s"]
         assert r["prefill_s"] + r["decode_s"] <= r["ttlt_s"] + 1e-6
+        assert r["decode_path"] == "decode_step"       # the stock float32 model: llmu.models.decode_step
 
 
 @pytest.mark.slow
