@@ -21,6 +21,7 @@ import torch
 
 from llmu.engine.scheduler import ScheduledBatch
 from llmu.engine.sequence import Sequence
+from llmu.models import decode_step
 from llmu.models.sampling import next_token
 from llmu.paged.cache import IMPLS, PagedKVCache
 
@@ -56,12 +57,22 @@ class PackedInputs:
 
 
 class ModelRunner:
-    """Runs ``model`` over a :class:`PagedKVCache`; ``impl`` picks the attention (see ``llmu.paged.cache``)."""
+    """Runs ``model`` over a :class:`PagedKVCache`; ``impl`` picks the attention (see ``llmu.paged.cache``).
+
+    The stock float32 model runs through ``llmu.models.decode_step.DecodeStep.packed``, the same
+    arithmetic as its modules in fewer PyTorch operations (what ``generate`` uses too, so that one
+    request through the engine costs what it costs through ``generate``); any other model runs
+    through its modules. Which one is decided when the runner is built (``step_path``).
+    """
 
     def __init__(self, model, pool: PagedKVCache, *, impl: str | None = None):
         if impl is not None and impl not in IMPLS:
             raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
         self.model, self.pool, self.impl = model, pool, impl
+        self.step = None
+        if decode_step.ENABLED and decode_step.unsupported(model) is None:
+            self.step = decode_step.DecodeStep(model)
+        self.step_path = "decode_step" if self.step is not None else "modules"
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, tables: dict) -> tuple[list[Sequence], torch.Tensor]:
@@ -76,7 +87,10 @@ class ModelRunner:
             at = packed.cu_seqlens_q[1:2] - 1
         else:
             at = packed.logits_at
-        logits = self.model(packed.input_ids[None], positions=packed.positions, cache=paged, logits_at=at).logits[0]
+        if self.step is not None:
+            logits = self.step.packed(packed.input_ids, packed.positions, paged, at)
+        else:
+            logits = self.model(packed.input_ids[None], positions=packed.positions, cache=paged, logits_at=at).logits[0]
         return packed.sampling, (logits if packed.sampling else logits[:0])
 
     @staticmethod

@@ -246,36 +246,71 @@ class DecodeStep:
         if pos + t > cache.max_len:
             raise ValueError(f"the KV cache holds max_len={cache.max_len} positions; cannot add {t} after {pos}")
         h_, hkv, d = self.heads, self.kv_heads, self.head_dim
-        group, half, n = h_ // hkv, d // 2, pos + t
-        if self.rotary:
-            cos2, sin2 = self._rope_tables(pos, t)
+        group, n = h_ // hkv, pos + t
         causal = None
         if t > 1:  # query i (position pos + i) sees keys 0 .. pos + i: hide the rest
             keys_at = torch.arange(n, device=self.embedding.device)
             causal = keys_at[None, :] > (pos + torch.arange(t, device=keys_at.device))[:, None]    # (T, n)
-        x = self.embedding[tokens[0]].view(1, -1) if t == 1 else self.embedding[tokens]   # (T, hidden)
-        hidden = x.shape[1]
-        for i, (w_in, q_proj, k_proj, v_proj, o_proj, w_post, gate, up, down) in enumerate(self.layers):
-            eps_in, eps_post = self.eps[i]
-            # -- attention: norm, project, rotate q and k together, store k and v
-            h = F.rms_norm(x, (hidden,), w_in, eps_in)
-            qk = torch.cat([q_proj(h).view(t, h_, d), k_proj(h).view(t, hkv, d)], 1)   # (T, H + Hkv, D)
-            if self.rotary:
-                qk = qk * cos2 + torch.cat([qk[..., half:], qk[..., :half]], -1) * sin2
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            """Store k, v ``(T, Hkv, D)`` at positions pos.., attend q ``(T, H, D)``; ``(T, H D)``."""
             keys, values = cache.k[i][0], cache.v[i][0]                                 # (Hkv, max_len, D)
-            keys[:, pos:n] = qk[:, h_:].transpose(0, 1)
-            values[:, pos:n] = v_proj(h).view(t, hkv, d).transpose(0, 1)
-            # -- the query heads that share a key/value head are the rows of one product
-            q = qk[:, :h_].view(t, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * t, d)
+            keys[:, pos:n] = k.transpose(0, 1)
+            values[:, pos:n] = v.transpose(0, 1)
+            # the query heads that share a key/value head are the rows of one product
+            q = q.view(t, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * t, d)
             scores = torch.bmm(q, keys[:, :n].transpose(1, 2)) * self.scale            # (Hkv, group T, n)
             if causal is not None:
                 scores = scores.view(hkv, group, t, n).masked_fill(causal, float("-inf")).view(hkv, group * t, n)
             out = torch.bmm(torch.softmax(scores, -1), values[:, :n])                  # (Hkv, group T, D)
             if t > 1:
                 out = out.view(hkv, group, t, d).permute(2, 0, 1, 3)                    # (T, Hkv, group, D)
-            x = x + o_proj(out.reshape(t, h_ * d))
+            return out.reshape(t, h_ * d)
+
+        x = self.embedding[tokens[0]].view(1, -1) if t == 1 else self.embedding[tokens]   # (T, hidden)
+        x = self._layers(x, self._rope_tables(pos, t) if self.rotary else None, attend)
+        cache.advance(n)
+        return self.head(F.rms_norm(x, (x.shape[1],), self.norm.weight, self.norm.eps))
+
+    @torch.inference_mode()
+    def packed(self, input_ids: torch.Tensor, positions: torch.Tensor, batch, logits_at: torch.Tensor) -> torch.Tensor:
+        """The serving engine's pass (module 16): ``input_ids`` and ``positions`` ``(N,)``, the new
+        tokens of several sequences packed in one row; ``batch`` the paged batch that stores their
+        keys and values and attends (``llmu.paged.PagedBatch``); logits ``(K, vocab)`` of the rows
+        ``logits_at``. The model's ``forward(input_ids[None], positions=, cache=batch, logits_at=)``."""
+        n = input_ids.shape[0]
+        h_, d = self.heads, self.head_dim
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            # the batch takes (1, heads, N, D), as Attention hands it over
+            out = batch.attend(i, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                               scale=self.scale)                                        # (1, H, N, D)
+            return out[0].transpose(0, 1).reshape(n, h_ * d)
+
+        rope = None
+        if self.rotary:
+            cos, sin = self.model._rope_at(positions)                                   # (N, D/2)
+            rope = torch.cat([cos, cos], -1)[:, None], torch.cat([-sin, sin], -1)[:, None]
+        x = self._layers(self.embedding[input_ids], rope, attend)
+        x = x[logits_at]
+        return self.head(F.rms_norm(x, (x.shape[1],), self.norm.weight, self.norm.eps))
+
+    def _layers(self, x: torch.Tensor, rope, attend) -> torch.Tensor:
+        """Every block on ``x`` ``(T, hidden)``; ``rope``: ``(cos2, sin2)`` ``(T, 1, D)`` or None;
+        ``attend(layer, q, k, v)`` stores k, v and returns the attention output ``(T, H D)``."""
+        t, hidden = x.shape
+        h_, hkv, d = self.heads, self.kv_heads, self.head_dim
+        half = d // 2
+        for i, (w_in, q_proj, k_proj, v_proj, o_proj, w_post, gate, up, down) in enumerate(self.layers):
+            eps_in, eps_post = self.eps[i]
+            # -- attention: norm, project, rotate q and k together, store k and v, attend
+            h = F.rms_norm(x, (hidden,), w_in, eps_in)
+            qk = torch.cat([q_proj(h).view(t, h_, d), k_proj(h).view(t, hkv, d)], 1)   # (T, H + Hkv, D)
+            if rope is not None:
+                cos2, sin2 = rope
+                qk = qk * cos2 + torch.cat([qk[..., half:], qk[..., :half]], -1) * sin2
+            x = x + o_proj(attend(i, qk[:, :h_], qk[:, h_:], v_proj(h).view(t, hkv, d)))
             # -- the SwiGLU feed-forward
             h = F.rms_norm(x, (hidden,), w_post, eps_post)
             x = x + down(F.silu(gate(h)) * up(h))
-        cache.advance(n)
-        return self.head(F.rms_norm(x, (hidden,), self.norm.weight, self.norm.eps))
+        return x

@@ -78,6 +78,33 @@ def test_greedy_output_equals_sequential_generation(tiny, name):
         assert engine.stats.preemptions > 0, "a 14-block pool should have forced preemption"
 
 
+@pytest.mark.parametrize("budget", [7, 64])
+def test_the_runner_decode_step_equals_the_model_modules(tiny, budget):
+    """The runner passes the stock model through DecodeStep.packed (prefill chunks and decode
+    rows of several sequences, causal within a chunk); through the modules it must pick the same
+    tokens, step for step."""
+    from llmu.models import decode_step
+
+    kw = dict(num_blocks=200, block_size=4, max_model_len=128, max_num_batched_tokens=budget)
+    ps = prompts(8, seed=3)
+    fast = LLMEngine(tiny, None, **kw)
+    with decode_step.disabled():
+        slow = LLMEngine(tiny, None, **kw)
+    assert (fast.runner.step_path, slow.runner.step_path) == ("decode_step", "modules")
+    got = [o.outputs[0].token_ids for o in fast.generate(ps, SamplingParams(max_tokens=10))]
+    want = [o.outputs[0].token_ids for o in slow.generate(ps, SamplingParams(max_tokens=10))]
+    assert got == want
+
+
+def test_the_runner_uses_the_modules_for_a_model_with_a_hook(tiny):
+    handle = tiny.layers[0].register_forward_hook(lambda *a: None)
+    try:
+        engine = LLMEngine(tiny, None, num_blocks=50, block_size=4, max_model_len=64)
+    finally:
+        handle.remove()
+    assert engine.runner.step_path == "modules"
+
+
 def test_chunked_prefill_splits_a_long_prompt(tiny):
     engine = LLMEngine(tiny, None, num_blocks=100, block_size=4, max_num_batched_tokens=8, max_model_len=128)
     p = prompts(1, seed=3, lo=40, hi=41)

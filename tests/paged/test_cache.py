@@ -47,15 +47,14 @@ def test_decode_index_reads_what_the_reference_reads(tables, lengths, view):
 def test_a_lone_contiguous_sequence_is_read_in_place(monkeypatch):
     pool, tables, lens, q = _pool_with([[3, 4, 5]], [10])
     seen = []
-    real = torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(cache_mod.F, "scaled_dot_product_attention",
-                        lambda q_, k, v, **kw: seen.append((k, v)) or real(q_, k, v, **kw))
+    real = torch.bmm
+    monkeypatch.setattr(cache_mod.torch, "bmm", lambda a, b: seen.append(b) or real(a, b))
     DecodeIndex(tables, lens, pool.block_size).attend(q, pool.k[0], pool.v[0], scale=0.25)
-    (k, v), = seen
-    # the keys SDPA reads share the pool's memory: rows 12..21 of layer 0, no copy
-    assert k.untyped_storage().data_ptr() == pool.k[0].untyped_storage().data_ptr()
-    assert v.untyped_storage().data_ptr() == pool.v[0].untyped_storage().data_ptr()
-    assert k.shape == (1, 2, 10, 16)
+    keys_t, values = seen    # scores = q k^T, then weights @ v
+    # the keys and values the two products read share the pool's memory: rows 12..21 of layer 0, no copy
+    assert keys_t.untyped_storage().data_ptr() == pool.k[0].untyped_storage().data_ptr()
+    assert values.untyped_storage().data_ptr() == pool.v[0].untyped_storage().data_ptr()
+    assert keys_t.shape == (2, 16, 10) and values.shape == (2, 10, 16)
 
 
 def test_a_step_builds_its_decode_index_once_for_every_layer(monkeypatch):
