@@ -1,4 +1,4 @@
-"""One decode step of the stock Llama model in few PyTorch calls: batch 1, float32, on a CPU.
+"""A decode step of the stock Llama model in few PyTorch calls: float32, on a CPU.
 
 At batch 1 a decode step multiplies one row by every weight matrix, so its matrix products take
 the time it takes to read the weights: about 19-20 ms for SmolLM2-135M's 538 MB of float32 on
@@ -31,7 +31,9 @@ the greedy tokens are the same.
 whenever :func:`unsupported` has nothing against the model (and :data:`ENABLED`); anything the
 step does not reproduce exactly sends generation back through the modules: another attention
 backend, a replaced projection (int8, LoRA), a hook on any module, a patched ``forward``, another
-dtype or device, interleaved RoPE. ``GenerationStats.decode_path`` says which path ran.
+dtype or device, interleaved RoPE. ``GenerationStats.decode_path`` says which path ran. The
+serving engine's runner (module 16) passes its packed paged batches through
+:meth:`DecodeStep.packed` the same way (``ModelRunner.step_path``).
 
 **Passes of a few tokens** (speculative verification, module 11) go through the same step. There
 the products have 2-8 rows, and this CPU's BLAS (MKL, on an AMD EPYC) does them poorly: on the
@@ -76,6 +78,7 @@ def disabled() -> Iterator[None]:
         yield
     finally:
         ENABLED = before
+
 
 # The stock classes and functions the step reproduces, captured when llmu is imported: a learner
 # who later patches one (``Attention.forward = mine``) gets the modules, which run the patch.
@@ -219,16 +222,20 @@ class DecodeStep:
         self.rotary = c.position_embedding == "rope"
         self.eps = [(layer.input_layernorm.eps, layer.post_attention_layernorm.eps) for layer in model.layers]
         self.layers = []
-        for layer in model.layers:
-            a, m = layer.self_attn, layer.mlp
-            q, k, v, o, gate, up, down = (_Projection(p, pack) for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj,
-                                                                          m.gate_proj, m.up_proj, m.down_proj))
-            self.layers.append((layer.input_layernorm.weight, q, k, v, o, layer.post_attention_layernorm.weight,
-                                gate, up, down))
+        # the step only ever runs without gradients: views (and the split decision) as for inference,
+        # also for a model whose weights require grad (one being trained, sampled between epochs)
+        with torch.no_grad():
+            for layer in model.layers:
+                a, m = layer.self_attn, layer.mlp
+                q, k, v, o, gate, up, down = (_Projection(p, pack) for p in (a.q_proj, a.k_proj, a.v_proj,
+                                                                              a.o_proj, m.gate_proj, m.up_proj,
+                                                                              m.down_proj))
+                self.layers.append((layer.input_layernorm.weight, q, k, v, o, layer.post_attention_layernorm.weight,
+                                    gate, up, down))
+            self.head = _Projection(model.lm_head, pack)
         self.scale = model.layers[0].self_attn.scale
         self.embedding = model.embed_tokens.weight
         self.norm = model.norm
-        self.head = _Projection(model.lm_head, pack)
         self.pack = pack
 
     def _rope_tables(self, position: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -242,3 +242,20 @@ def test_speculative_verification_packs_only_when_its_passes_are_long_enough():
 def test_pack_must_be_a_bool():
     with pytest.raises(TypeError, match="pack must be True or False"):
         DecodeStep(tiny_llama(), pack="yes")
+
+
+def test_a_model_in_training_samples_through_the_step_and_trains_on():
+    from llmu.models import make_trainable
+
+    model = make_trainable(tiny_llama(**MID).config, seed=5, std=0.05)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stats = GenerationStats()
+    with threads(2):
+        fast = list(generate_ids(model, [1, 2, 3], 8, stats=stats))
+        with decode_step.disabled():
+            slow = list(generate_ids(model, [1, 2, 3], 8))
+    assert stats.decode_path == "decode_step" and fast == slow
+    before = model.layers[0].mlp.up_proj.weight.detach().clone()
+    model(torch.tensor([[1, 2, 3, 4]])).logits.sum().backward()   # gradients still flow after sampling
+    opt.step()
+    assert not torch.equal(model.layers[0].mlp.up_proj.weight, before)
