@@ -6,13 +6,20 @@ import re
 
 import pytest
 
-from llmu.data import names, text
+from llmu.data import json, json_names, names, text
 
 
 def test_names():
     assert names() == ["essays", "luke_kjv"]
     with pytest.raises(ValueError, match="no text named"):
         text("hamlet")
+
+
+def test_json_names_are_the_files_json_reads():
+    assert {"spec_acceptance", "sft_examples", "training_runs"} <= set(json_names())
+    assert all(json(name) is not None for name in json_names())
+    with pytest.raises(ValueError, match="no JSON file named 'hamlet'; available: \\['gqa_perplexity'"):
+        json("hamlet")
 
 
 @pytest.mark.slow

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["text", "names", "json", "byte_tokens"]
+__all__ = ["text", "names", "json", "json_names", "byte_tokens"]
 
 
 def _folder():
@@ -64,10 +64,13 @@ def byte_tokens(text: str) -> torch.Tensor:
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.int64)
 
 
+def json_names() -> list[str]:
+    """The names :func:`json` accepts."""
+    return sorted(p.name[:-5] for p in _folder().iterdir() if p.name.endswith(".json") and p.is_file())
+
+
 def json(name: str):
-    """The shipped JSON file ``name`` (without ``.json``), parsed."""
-    path = _folder() / f"{name}.json"
-    if not path.is_file():
-        available = sorted(p.name[:-5] for p in _folder().iterdir() if p.name.endswith(".json"))
-        raise ValueError(f"no JSON file named {name!r}; available: {available}")
-    return _json.loads(path.read_text(encoding="utf-8"))
+    """The shipped JSON file ``name`` (without ``.json``; see :func:`json_names`), parsed."""
+    if name not in json_names():
+        raise ValueError(f"no JSON file named {name!r}; available: {json_names()}")
+    return _json.loads((_folder() / f"{name}.json").read_text(encoding="utf-8"))

@@ -33,18 +33,17 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from pathlib import Path
 
 from llmu.bench.paired import interleave, timed
 from llmu.bench.registry import Entry, register
-from llmu.tokenization.byte_alphabet import token_to_bytes
+from llmu import data
+from llmu.tokenization.byte_alphabet import merge_to_bytes
 from llmu.tokenization.train_bpe import train_bpe
 
 __all__ = ["BPE_TRAIN", "shipped_texts", "shipped_strings", "corpus_documents", "corpus", "tokenizers_train_bpe", "compare_training", "agreement"]
 
 MODULE = "01_embeddings"
 EOT = "<|endoftext|>"
-DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def _strings(x):
@@ -59,24 +58,23 @@ def _strings(x):
 
 
 def shipped_texts() -> dict[str, str]:
-    """name -> text of everything llmu ships in ``llmu/data``: each ``.txt`` file whole, and each
-    ``.json`` file's strings joined by newlines (the tokenization tests encode all of them)."""
-    out = {p.name: p.read_text(encoding="utf-8") for p in sorted(DATA.glob("*.txt"))}
-    for p in sorted(DATA.glob("*.json")):
-        out[p.name] = "\n".join(_strings(json.loads(p.read_text(encoding="utf-8"))))
+    """file name -> text of everything llmu ships in ``llmu/data``: each ``.txt`` file whole, and
+    each ``.json`` file's strings joined by newlines (the tokenization tests encode all of them)."""
+    out = {f"{name}.txt": data.text(name) for name in data.names()}
+    for name in data.json_names():
+        out[f"{name}.json"] = "\n".join(_strings(data.json(name)))
     return out
 
 
 def shipped_strings() -> list[str]:
     """Every non-blank string of the ``.json`` files in ``llmu/data``, one by one."""
-    return [s for p in sorted(DATA.glob("*.json")) for s in _strings(json.loads(p.read_text(encoding="utf-8")))
-            if s.strip()]
+    return [s for name in data.json_names() for s in _strings(data.json(name)) if s.strip()]
 
 
 @lru_cache(maxsize=1)
 def corpus_documents() -> tuple[str, ...]:
     """The shipped texts as documents: each ``.txt`` file, and each string of the ``.json`` files."""
-    return tuple([p.read_text(encoding="utf-8") for p in sorted(DATA.glob("*.txt"))] + shipped_strings())
+    return tuple([data.text(name) for name in data.names()] + shipped_strings())
 
 
 def corpus(mb: float) -> list[str]:
@@ -103,8 +101,7 @@ def tokenizers_train_bpe(documents: list[str], vocab_size: int, special_tokens=(
                                   special_tokens=list(special_tokens),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(documents, trainer)
-    merges = json.loads(tok.to_str())["model"]["merges"]
-    return [tuple(token_to_bytes(t) for t in (m.split(" ") if isinstance(m, str) else m)) for m in merges]
+    return [merge_to_bytes(m) for m in json.loads(tok.to_str())["model"]["merges"]]
 
 
 def agreement(ours: list, theirs: list, compare: int) -> dict:
