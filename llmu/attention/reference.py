@@ -158,3 +158,18 @@ def attention(
         p = p.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)
     out = (p @ vf).to(q.dtype)
     return (out, p) if return_weights else out
+
+
+def grouped_rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                           hide: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention for a few queries per key/value head, in the fewest PyTorch calls: ``q`` ``(Hkv, R, D)``
+    holds, for each key/value head, the rows of every query head that shares it (and every token),
+    ``k``, ``v`` ``(Hkv, L, D)`` its keys and values; ``hide`` (bool, True = not seen) broadcasts to
+    ``(Hkv, R, L)``. Two products and a softmax, no copy of ``k`` or ``v``: what a decode step
+    needs, where SDPA's dispatch costs more than its arithmetic (``llmu.models.decode_step``,
+    ``llmu.paged.cache.DecodeIndex``). Returns ``(Hkv, R, D)``."""
+    scores = torch.bmm(q, k.transpose(1, 2)) * scale                                # (Hkv, R, L)
+    if hide is not None:
+        scores = scores.masked_fill(hide, float("-inf"))
+    return torch.bmm(torch.softmax(scores, -1), v)
+

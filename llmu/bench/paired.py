@@ -150,25 +150,31 @@ class Paired:
         figure = self._figure(name, figure)
         return spread(self.samples[name][figure])
 
-    def ratios(self, name: str, figure: str | None = None) -> list[float]:
-        """The paired ratios of ``name`` over the base, ``name_r / base_r``, one per round."""
-        if self.base is None:
+    def ratios(self, name: str, figure: str | None = None, *, over: str | None = None) -> list[float]:
+        """The paired ratios of ``name`` over the base (or over provider ``over``), ``name_r / base_r``,
+        one per round."""
+        base = over if over is not None else self.base
+        if base is None:
             raise ValueError("no base provider: pass base= to interleave() to get ratios")
+        if base not in self.samples:
+            raise ValueError(f"over={base!r} is not one of the providers: {', '.join(self.samples)}")
         figure = self._figure(name, figure)
-        self._figure(self.base, figure)
+        self._figure(base, figure)
         out = []
-        for r, (a, b) in enumerate(zip(self.samples[name][figure], self.samples[self.base][figure])):
+        for r, (a, b) in enumerate(zip(self.samples[name][figure], self.samples[base][figure])):
             if b == 0:
-                raise ValueError(f"{self.base!r}'s {figure} is 0 in round {r + 1}: no ratio over it")
+                raise ValueError(f"{base!r}'s {figure} is 0 in round {r + 1}: no ratio over it")
             out.append(a / b)
         return out
 
-    def ratio(self, name: str, figure: str | None = None) -> dict | None:
+    def ratio(self, name: str, figure: str | None = None, *, over: str | None = None) -> dict | None:
         """The median and spread of :meth:`ratios`, with ``overlaps_1`` (``min <= 1 <= max``, or
-        a single round); ``None`` for the base itself or when there is no base."""
-        if self.base is None or name == self.base:
+        a single round); ``None`` for the base itself or when there is no base. ``over``: another
+        provider to divide by, in place of the base."""
+        base = over if over is not None else self.base
+        if base is None or name == base:
             return None
-        values = self.ratios(name, figure)
+        values = self.ratios(name, figure, over=base)
         out = spread(values)
         out["overlaps_1"] = len(values) < 2 or out["min"] <= 1.0 <= out["max"]
         return out

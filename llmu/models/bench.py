@@ -40,7 +40,7 @@ import time
 import torch
 
 from llmu import runtime
-from llmu.bench.paired import Paired, first_difference, interleave, spread
+from llmu.bench.paired import Paired, first_difference, interleave
 from llmu.bench.registry import Entry, register
 
 PROVIDERS = ("llmu", "llmu (modules)", "transformers")
@@ -230,10 +230,8 @@ def _run(size: dict, device) -> list[dict]:
 
 def _over_modules(paired) -> dict:
     """What ``DecodeStep`` buys: llmu's decode tokens/s over the module path's, paired by round."""
-    figure = "decode_tokens_per_s"
-    ratios = [a / b for a, b in zip(paired.samples["llmu"][figure], paired.samples["llmu (modules)"][figure])]
-    s = spread(ratios)
-    return {"over_modules": s["median"], "over_modules_min": s["min"], "over_modules_max": s["max"]}
+    r = paired.ratio("llmu", "decode_tokens_per_s", over="llmu (modules)")
+    return {"over_modules": r["median"], "over_modules_min": r["min"], "over_modules_max": r["max"]}
 
 
 def decode_roof(model, device=None, budget_s: float = 1.0) -> dict:

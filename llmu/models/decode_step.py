@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmu.attention.reference import grouped_rows_attention
 from llmu.models import backends, llama
 from llmu.models.cache import KVCache
 
@@ -186,10 +187,7 @@ class _Projection:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.view is None or t > llama.SPLIT_GEMV_MAX_ROWS:
             return F.linear(x, self.weight, self.bias)
-        # W_j x^T for every row block j, one per thread (see llama._gemv_in_blocks): (blocks, n/blocks, T)
-        y = torch.bmm(self.view, x.t().expand(self.blocks, x.shape[1], t))
-        y = y.view(1, -1) if t == 1 else y.permute(2, 0, 1).reshape(t, -1)     # (T, n)
-        return y + self.bias if self.bias is not None else y
+        return llama.blocked_product(self.view, x, self.bias)                  # W_j x^T, one block per thread
 
 
 class DecodeStep:
@@ -238,11 +236,18 @@ class DecodeStep:
         self.norm = model.norm
         self.pack = pack
 
-    def _rope_tables(self, position: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos2 = [cos, cos]`` and ``sin2 = [-sin, sin]`` at positions ``position ..``, ``(T, 1, head_dim)``
-        each: then ``x * cos2 + rotate_half(x) * sin2`` is ``apply_rope``'s ``[x1 cos - x2 sin, x1 sin + x2 cos]``."""
-        cos, sin = self.model.rope_tables(position, t)
+    @staticmethod
+    def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos2 = [cos, cos]`` and ``sin2 = [-sin, sin]``, ``(T, 1, head_dim)`` each, from the model's
+        ``(T, head_dim/2)`` tables: then ``x * cos2 + rotate_half(x) * sin2`` is ``apply_rope``'s
+        ``[x1 cos - x2 sin, x1 sin + x2 cos]``."""
         return torch.cat([cos, cos], -1)[:, None], torch.cat([-sin, sin], -1)[:, None]
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+        """RoPE, ``"half"`` layout, on ``x`` ``(T, heads, D)``: ``x * cos2 + rotate_half(x) * sin2``."""
+        half = x.shape[-1] // 2
+        return x * cos2 + torch.cat([x[..., half:], x[..., :half]], -1) * sin2
 
     @torch.inference_mode()
     def __call__(self, tokens: int | list[int], cache: KVCache) -> torch.Tensor:
@@ -254,10 +259,11 @@ class DecodeStep:
             raise ValueError(f"the KV cache holds max_len={cache.max_len} positions; cannot add {t} after {pos}")
         h_, hkv, d = self.heads, self.kv_heads, self.head_dim
         group, n = h_ // hkv, pos + t
-        causal = None
-        if t > 1:  # query i (position pos + i) sees keys 0 .. pos + i: hide the rest
+        hide = None
+        if t > 1:  # query i (position pos + i) sees keys 0 .. pos + i: hide the rest, for each query head
             keys_at = torch.arange(n, device=self.embedding.device)
             causal = keys_at[None, :] > (pos + torch.arange(t, device=keys_at.device))[:, None]    # (T, n)
+            hide = causal.repeat(group, 1)                                               # (group T, n)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             """Store k, v ``(T, Hkv, D)`` at positions pos.., attend q ``(T, H, D)``; ``(T, H D)``."""
@@ -266,16 +272,13 @@ class DecodeStep:
             values[:, pos:n] = v.transpose(0, 1)
             # the query heads that share a key/value head are the rows of one product
             q = q.view(t, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * t, d)
-            scores = torch.bmm(q, keys[:, :n].transpose(1, 2)) * self.scale            # (Hkv, group T, n)
-            if causal is not None:
-                scores = scores.view(hkv, group, t, n).masked_fill(causal, float("-inf")).view(hkv, group * t, n)
-            out = torch.bmm(torch.softmax(scores, -1), values[:, :n])                  # (Hkv, group T, D)
+            out = grouped_rows_attention(q, keys[:, :n], values[:, :n], self.scale, hide)   # (Hkv, group T, D)
             if t > 1:
                 out = out.view(hkv, group, t, d).permute(2, 0, 1, 3)                    # (T, Hkv, group, D)
             return out.reshape(t, h_ * d)
 
         x = self.embedding[tokens[0]].view(1, -1) if t == 1 else self.embedding[tokens]   # (T, hidden)
-        x = self._layers(x, self._rope_tables(pos, t) if self.rotary else None, attend)
+        x = self._layers(x, self._rope_tables(*self.model.rope_tables(pos, t)) if self.rotary else None, attend)
         cache.advance(n)
         return self.head(F.rms_norm(x, (x.shape[1],), self.norm.weight, self.norm.eps))
 
@@ -294,10 +297,7 @@ class DecodeStep:
                                scale=self.scale)                                        # (1, H, N, D)
             return out[0].transpose(0, 1).reshape(n, h_ * d)
 
-        rope = None
-        if self.rotary:
-            cos, sin = self.model._rope_at(positions)                                   # (N, D/2)
-            rope = torch.cat([cos, cos], -1)[:, None], torch.cat([-sin, sin], -1)[:, None]
+        rope = self._rope_tables(*self.model._rope_at(positions)) if self.rotary else None     # at each position
         x = self._layers(self.embedding[input_ids], rope, attend)
         x = x[logits_at]
         return self.head(F.rms_norm(x, (x.shape[1],), self.norm.weight, self.norm.eps))
@@ -307,15 +307,13 @@ class DecodeStep:
         ``attend(layer, q, k, v)`` stores k, v and returns the attention output ``(T, H D)``."""
         t, hidden = x.shape
         h_, hkv, d = self.heads, self.kv_heads, self.head_dim
-        half = d // 2
         for i, (w_in, q_proj, k_proj, v_proj, o_proj, w_post, gate, up, down) in enumerate(self.layers):
             eps_in, eps_post = self.eps[i]
             # -- attention: norm, project, rotate q and k together, store k and v, attend
             h = F.rms_norm(x, (hidden,), w_in, eps_in)
             qk = torch.cat([q_proj(h).view(t, h_, d), k_proj(h).view(t, hkv, d)], 1)   # (T, H + Hkv, D)
             if rope is not None:
-                cos2, sin2 = rope
-                qk = qk * cos2 + torch.cat([qk[..., half:], qk[..., :half]], -1) * sin2
+                qk = self._rotate(qk, *rope)
             x = x + o_proj(attend(i, qk[:, :h_], qk[:, h_:], v_proj(h).view(t, hkv, d)))
             # -- the SwiGLU feed-forward
             h = F.rms_norm(x, (hidden,), w_post, eps_post)

@@ -119,11 +119,19 @@ def _gemv_in_blocks(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     to 55-64 ms, then 54-58 ms. The result equals ``F.linear``'s to float32 rounding (the order of
     each dot product's sum is the BLAS's choice)."""
     n, k = w.shape
-    rows = x.numel() // k
-    xt = x.reshape(rows, k).t()                                                   # (k, rows): a view
-    y = torch.bmm(w.view(blocks, n // blocks, k), xt.expand(blocks, k, rows))     # (blocks, n / blocks, rows)
+    y = blocked_product(w.view(blocks, n // blocks, k), x.reshape(-1, k), bias)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def blocked_product(w_blocks: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T + bias`` for ``x`` ``(rows, k)``, ``W`` given as its row blocks ``(blocks, n / blocks, k)``
+    (a view), one block per thread: the product of :func:`_gemv_in_blocks`, for a caller that keeps
+    the view (``llmu.models.decode_step``). Returns ``(rows, n)``."""
+    blocks, _, k = w_blocks.shape
+    rows = x.shape[0]
+    y = torch.bmm(w_blocks, x.t().expand(blocks, k, rows))                         # (blocks, n / blocks, rows)
     # -> (rows, n): block j holds outputs j n/blocks .. (j+1) n/blocks - 1
-    y = y.permute(2, 0, 1).reshape(*x.shape[:-1], n)
+    y = y.view(1, -1) if rows == 1 else y.permute(2, 0, 1).reshape(rows, -1)
     return y + bias if bias is not None else y
 
 

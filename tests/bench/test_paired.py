@@ -54,6 +54,16 @@ def test_medians_and_paired_ratios():
     assert "x2.00 (2.00..2.00)" in text and "(base of the ratios)" in text and "not distinguishable" not in text
 
 
+def test_ratios_over_another_provider_than_the_base():
+    log = []
+    p = interleave({"A": scripted(log, "A", [6.0, 3.0]), "B": scripted(log, "B", [3.0, 1.0]),
+                    "C": scripted(log, "C", [1.0, 1.0])}, repeats=2, warmup=0, base="C")
+    assert p.ratios("A") == [6.0, 3.0] and p.ratios("A", over="B") == [2.0, 3.0]
+    assert p.ratio("A", over="B")["median"] == 2.5 and p.ratio("B", over="B") is None
+    with pytest.raises(ValueError, match="over='D' is not one of the providers"):
+        p.ratios("A", over="D")
+
+
 def test_the_overlap_flag():
     log = []
     p = interleave({"A": scripted(log, "A", [1.1, 0.9, 1.05]), "B": scripted(log, "B", [1.0, 1.0, 1.0])},

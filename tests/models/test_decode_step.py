@@ -193,21 +193,12 @@ def test_a_hook_a_learner_adds_runs_on_every_decode_step():
     assert len(calls) == 4, "the prompt's pass and three decode steps should each call the hook"
 
 
-@pytest.mark.parametrize("what,change", [
-    ("dtype", lambda m: m.to(torch.bfloat16)),
-    ("rope_layout", None),
-    ("cache batch", None),
-])
-def test_models_and_caches_of_other_kinds_are_declined(what, change):
-    if what == "rope_layout":
-        assert "rope_layout" in unsupported(tiny_llama(rope_layout="interleaved"))
-        return
+def test_models_and_caches_of_other_kinds_are_declined():
+    assert "rope_layout" in unsupported(tiny_llama(rope_layout="interleaved"))
+    assert "bfloat16" in unsupported(tiny_llama().to(torch.bfloat16))
     model = tiny_llama()
-    if what == "cache batch":
-        assert "batch of 2" in unsupported(model, KVCache.for_model(model, 2, 16))
-        assert unsupported(model, KVCache.for_model(model, 1, 16)) is None
-        return
-    assert "bfloat16" in unsupported(change(model))
+    assert "batch of 2" in unsupported(model, KVCache.for_model(model, 2, 16))
+    assert unsupported(model, KVCache.for_model(model, 1, 16)) is None
 
 
 def test_bad_calls_are_refused():
@@ -259,3 +250,14 @@ def test_a_model_in_training_samples_through_the_step_and_trains_on():
     model(torch.tensor([[1, 2, 3, 4]])).logits.sum().backward()   # gradients still flow after sampling
     opt.step()
     assert not torch.equal(model.layers[0].mlp.up_proj.weight, before)
+
+
+def test_the_steps_rope_is_apply_ropes_half_layout_bit_for_bit():
+    from llmu.layers.reference import apply_rope
+
+    model = tiny_llama(**MID)
+    cos, sin = model.rope_tables(37, 5)                                  # (5, D/2)
+    x = torch.randn(5, 10, MID["head_dim"], generator=torch.Generator().manual_seed(0))   # (T, heads, D)
+    got = DecodeStep._rotate(x, *DecodeStep._rope_tables(cos, sin))
+    want = apply_rope(x.transpose(0, 1), cos, sin, "half").transpose(0, 1)   # (heads, T, D) in apply_rope
+    assert torch.equal(got, want)
