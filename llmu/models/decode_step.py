@@ -190,6 +190,20 @@ class _Projection:
         return llama.blocked_product(self.view, x, self.bias)                  # W_j x^T, one block per thread
 
 
+class _Block:
+    """One decoder layer as the step's loop runs it: its two norms (weight, eps), ``qkv(h) -> (qk, v)``
+    (``(T, H + Hkv, D)`` and ``(T, Hkv, D)``: q and k together, as RoPE rotates them), the output
+    projection ``o`` and the feed-forward ``mlp``. How the products are computed is the builder's
+    business (:meth:`DecodeStep._block`)."""
+
+    __slots__ = ("norm_in", "eps_in", "norm_post", "eps_post", "qkv", "o", "mlp")
+
+    def __init__(self, layer: llama.DecoderLayer, qkv, o, mlp):
+        self.norm_in, self.eps_in = layer.input_layernorm.weight, layer.input_layernorm.eps
+        self.norm_post, self.eps_post = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps
+        self.qkv, self.o, self.mlp = qkv, o, mlp
+
+
 class DecodeStep:
     """``step(tokens, cache) -> logits (T, vocab)``: feed ``T`` tokens after what ``cache`` holds.
 
@@ -218,23 +232,32 @@ class DecodeStep:
         self.model = model
         self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.rotary = c.position_embedding == "rope"
-        self.eps = [(layer.input_layernorm.eps, layer.post_attention_layernorm.eps) for layer in model.layers]
-        self.layers = []
+        self.pack = pack
         # the step only ever runs without gradients: views (and the split decision) as for inference,
         # also for a model whose weights require grad (one being trained, sampled between epochs)
         with torch.no_grad():
-            for layer in model.layers:
-                a, m = layer.self_attn, layer.mlp
-                q, k, v, o, gate, up, down = (_Projection(p, pack) for p in (a.q_proj, a.k_proj, a.v_proj,
-                                                                              a.o_proj, m.gate_proj, m.up_proj,
-                                                                              m.down_proj))
-                self.layers.append((layer.input_layernorm.weight, q, k, v, o, layer.post_attention_layernorm.weight,
-                                    gate, up, down))
-            self.head = _Projection(model.lm_head, pack)
+            self.blocks = [self._block(layer) for layer in model.layers]
+            self.head = self._head(model.lm_head)
         self.scale = model.layers[0].self_attn.scale
         self.embedding = model.embed_tokens.weight
         self.norm = model.norm
-        self.pack = pack
+
+    def _block(self, layer: llama.DecoderLayer) -> _Block:
+        """``layer``'s products as the loop calls them: q, k and v each from its own weight (views)."""
+        a, m = layer.self_attn, layer.mlp
+        q, k, v, o, gate, up, down = (_Projection(p, self.pack) for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj,
+                                                                           m.gate_proj, m.up_proj, m.down_proj))
+        h_, hkv, d = self.heads, self.kv_heads, self.head_dim
+
+        def qkv(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            t = h.shape[0]
+            return torch.cat([q(h).view(t, h_, d), k(h).view(t, hkv, d)], 1), v(h).view(t, hkv, d)
+
+        return _Block(layer, qkv, o, lambda h: down(F.silu(gate(h)) * up(h)))
+
+    def _head(self, lm_head: llama.Linear):
+        """The LM head as the step calls it: ``(T, hidden) -> (T, vocab)`` float32."""
+        return _Projection(lm_head, self.pack)
 
     @staticmethod
     def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,7 +273,9 @@ class DecodeStep:
         return x * cos2 + torch.cat([x[..., half:], x[..., :half]], -1) * sin2
 
     @torch.inference_mode()
-    def __call__(self, tokens: int | list[int], cache: KVCache) -> torch.Tensor:
+    def __call__(self, tokens: int | list[int], cache: KVCache, *, last: bool = False) -> torch.Tensor:
+        """Logits ``(T, vocab)`` of every token fed, or with ``last`` only the last one's ``(1, vocab)``
+        (a draft's prefill needs no more; the LM head is a fifth of a step's weights)."""
         tokens = [tokens] if isinstance(tokens, int) else list(tokens)
         t, pos = len(tokens), cache.length
         if t == 0:
@@ -280,6 +305,8 @@ class DecodeStep:
         x = self.embedding[tokens[0]].view(1, -1) if t == 1 else self.embedding[tokens]   # (T, hidden)
         x = self._layers(x, self._rope_tables(*self.model.rope_tables(pos, t)) if self.rotary else None, attend)
         cache.advance(n)
+        if last:
+            x = x[-1:]
         return self.head(F.rms_norm(x, (x.shape[1],), self.norm.weight, self.norm.eps))
 
     @torch.inference_mode()
@@ -305,17 +332,13 @@ class DecodeStep:
     def _layers(self, x: torch.Tensor, rope, attend) -> torch.Tensor:
         """Every block on ``x`` ``(T, hidden)``; ``rope``: ``(cos2, sin2)`` ``(T, 1, D)`` or None;
         ``attend(layer, q, k, v)`` stores k, v and returns the attention output ``(T, H D)``."""
-        t, hidden = x.shape
-        h_, hkv, d = self.heads, self.kv_heads, self.head_dim
-        for i, (w_in, q_proj, k_proj, v_proj, o_proj, w_post, gate, up, down) in enumerate(self.layers):
-            eps_in, eps_post = self.eps[i]
+        hidden, h_ = x.shape[1], self.heads
+        for i, b in enumerate(self.blocks):
             # -- attention: norm, project, rotate q and k together, store k and v, attend
-            h = F.rms_norm(x, (hidden,), w_in, eps_in)
-            qk = torch.cat([q_proj(h).view(t, h_, d), k_proj(h).view(t, hkv, d)], 1)   # (T, H + Hkv, D)
+            qk, v = b.qkv(F.rms_norm(x, (hidden,), b.norm_in, b.eps_in))              # (T, H + Hkv, D), (T, Hkv, D)
             if rope is not None:
                 qk = self._rotate(qk, *rope)
-            x = x + o_proj(attend(i, qk[:, :h_], qk[:, h_:], v_proj(h).view(t, hkv, d)))
+            x = x + b.o(attend(i, qk[:, :h_], qk[:, h_:], v))
             # -- the SwiGLU feed-forward
-            h = F.rms_norm(x, (hidden,), w_post, eps_post)
-            x = x + down(F.silu(gate(h)) * up(h))
+            x = x + b.mlp(F.rms_norm(x, (hidden,), b.norm_post, b.eps_post))
         return x

@@ -24,6 +24,7 @@ from llmu.quant.formats import (
     pack_int4,
     quant_params,
     quantize,
+    quantize_minmax,
     representable_values,
     to_fp8,
     unpack_int4,
@@ -33,5 +34,5 @@ from llmu.quant.linear import QuantLinear
 __all__ = [
     "BITS", "FP8_FORMATS", "GRANULARITIES", "METHODS", "VALUE_FORMATS", "QuantLinear", "QuantizedTensor",
     "dequantize", "fake_quantize", "from_fp8", "from_gguf", "from_gguf_model", "model_nbytes", "pack_int4", "quant_params",
-    "quantize", "quantize_model", "quantized_layers", "representable_values", "to_fp8", "unpack_int4",
+    "quantize", "quantize_minmax", "quantize_model", "quantized_layers", "representable_values", "to_fp8", "unpack_int4",
 ]

@@ -50,7 +50,7 @@ import torch
 
 __all__ = [
     "BITS", "GRANULARITIES", "FP8_FORMATS", "QuantizedTensor", "quant_params", "quantize", "dequantize",
-    "fake_quantize", "pack_int4", "unpack_int4", "to_fp8", "from_fp8", "check_weight", "from_gguf",
+    "quantize_minmax", "fake_quantize", "pack_int4", "unpack_int4", "to_fp8", "from_fp8", "check_weight", "from_gguf",
     "representable_values", "VALUE_FORMATS",
 ]
 
@@ -186,6 +186,28 @@ def quantize(w: torch.Tensor, bits: int = 4, *, symmetric: bool = False, granula
         scale, zero = scale.expand(n, 1), zero.expand(n, 1)
     return QuantizedTensor(codes.to(torch.uint8).reshape(n, k), scale.reshape(n, k // g).contiguous(),
                            zero.reshape(n, k // g).contiguous(), bits, g, symmetric, granularity, w.dtype)
+
+
+def quantize_minmax(w: torch.Tensor, bits: int = 4, *, group_size: int = 32) -> QuantizedTensor:
+    """Round-to-nearest onto each group's own range: ``w ≈ q * s + m`` with ``m`` the group's minimum
+    and ``s = (max - m) / (2^bits - 1)``, GGUF Q4_1's rounding (the module's docstring).
+
+    Unlike :func:`quantize`'s asymmetric format, the range need not contain 0 and ``m`` is any float
+    (kept as ``offset``; ``zero = -m / s`` is not an integer): every code lands inside the group's
+    values, so the grid is finer whenever a group's values are all of one sign or off-centre. The
+    price is a float zero point, which integer kernels of the ``(q - z) * s`` form cannot use
+    directly. A group whose values are all equal gets ``s = 1`` (its codes are all 0).
+    """
+    check_weight(w)
+    n, k = w.shape
+    g = _check_format(bits, "group", group_size, k)
+    groups = w.detach().float().reshape(n, k // g, g)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    scale = (hi - lo) / (2**bits - 1)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.clamp(torch.round((groups - lo[..., None]) / scale[..., None]), 0, 2**bits - 1)
+    return QuantizedTensor(codes.to(torch.uint8).reshape(n, k), scale.contiguous(), (-lo / scale).contiguous(), bits,
+                           g, False, "group", w.dtype, offset=lo.contiguous())
 
 
 def dequantize(qt: QuantizedTensor) -> torch.Tensor:

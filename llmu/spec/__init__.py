@@ -8,7 +8,9 @@
   synchronisation inside the step. Both take what a serving engine passes: ragged batches
   (``draft_lens``, a number of proposals per sequence, 0 included) and its own ``bonus_token``.
 - ``drafts``: what proposes: :class:`~llmu.spec.drafts.EarlyExitDraft` (the target's first ``k``
-  blocks and its head, self-speculative) and :class:`~llmu.spec.drafts.NGramDraft` (prompt lookup);
+  blocks and its head, self-speculative), :class:`~llmu.spec.drafts.QuantizedDraft` (the whole
+  target at 4 bits, its step in ``quantized_step``) and :class:`~llmu.spec.drafts.NGramDraft`
+  (prompt lookup);
   ``rewind`` crops a KV cache back to the prefix a new context shares with it;
 - ``decode``: the loop (``speculative_generate``: propose, verify in one target pass, accept,
   rewind) with its statistics, and ``expected_tokens_per_step``; the target keeps its keys and

@@ -4,7 +4,9 @@
 greedy, one of the prompts of :mod:`llmu.spec.prompts` (size key ``prompt``). Plain decoding
 against speculative decoding with each draft: prompt lookup (``NGramDraft``, n = 3..1, ``gamma``
 proposals a step) and the target's own first ``exit`` blocks (``EarlyExitDraft``, ``exit_gamma``
-proposals a step), with the same ``new`` tokens at most and the same end-of-turn token. Every
+proposals a step) and, on a CPU with size key ``int4_gamma``, the target itself at 4 bits
+(``QuantizedDraft``, ``int4_gamma`` proposals a step), with the same ``new`` tokens at most and the
+same end-of-turn token. Every
 generation goes through one loop, ``llmu.spec.decode.speculative_generate``: plain decoding is
 that loop with ``gamma = 0``, so the two sides pay the same overheads and differ only in drafting
 and verifying. The providers run in turn (plain, then each draft, ``repeats`` rounds after a
@@ -34,9 +36,11 @@ prompts (outputs that copy their prompt) its proposals are often right: several 
 ``story`` it rarely is, and each accidental match costs a wider verification. An early exit
 proposes with ``exit`` of 30 blocks *and the whole LM head* (49,152 x 576, a fifth of a target
 step) for each proposal, and SmolLM2's intermediate layers are poor predictors of its output: a
-few percent of the proposals are accepted, so it slows decoding down.
+few percent of the proposals are accepted, so it slows decoding down. The 4-bit draft is the
+opposite case: accepted nearly always (0.95-1.0 on ``edit``), and too dear to pay on two cores
+(0.6 of a step a proposal, :mod:`llmu.spec.quantized_step`): about 0.9-1.0x.
 
-Rows (``provider``): ``plain``, ``n-gram``, ``early exit <k>``; ``tokens_per_s`` and ``ms`` (per
+Rows (``provider``): ``plain``, ``n-gram``, ``early exit <k>``, ``4-bit draft``; ``tokens_per_s`` and ``ms`` (per
 decoded token, the prefill left out), ``speedup`` and ``ratio`` (over plain's, paired),
 ``acceptance`` (accepted proposals over proposals made), ``tokens_per_step``, ``gamma``,
 ``draft_share`` (the draft's seconds over the generation's), ``tokens`` and ``steps``,
@@ -82,7 +86,8 @@ from llmu.bench.paired import Paired, interleave
 from llmu.bench.registry import Entry, Provider, register
 from llmu.spec import kernels, reference
 from llmu.spec.decode import SpecOutput, speculative_generate
-from llmu.spec.drafts import Draft, EarlyExitDraft, NGramDraft
+from llmu.spec.drafts import Draft, EarlyExitDraft, NGramDraft, QuantizedDraft
+from llmu.spec.quantized_step import quantized_unavailable
 
 __all__ = ["SPEC_DECODE", "SPEC_ACCEPT_REJECT", "OutputMismatch", "check_identical", "make_draft",
            "draft_key", "compare_spec", "measure_spec", "accept_reject_setup", "accept_reject_triton", "accept_reject_torch",
@@ -115,13 +120,16 @@ def check_identical(expected: Sequence[int], got: Sequence[int], what: str) -> N
 
 
 def make_draft(model, key: str) -> Draft:
-    """The draft named ``key``: ``"ngram"`` (prompt lookup, n = 3..1) or ``"exit<k>"`` (the first
-    ``k`` blocks of ``model``, its norm and LM head)."""
+    """The draft named ``key``: ``"ngram"`` (prompt lookup, n = 3..1), ``"exit<k>"`` (the first
+    ``k`` blocks of ``model``, its norm and LM head) or ``"int4"`` (``model`` itself at 4 bits,
+    groups of 32, its LM head at 8: :class:`~llmu.spec.drafts.QuantizedDraft`, CPU only)."""
     if key == "ngram":
         return NGramDraft(3, 1)
+    if key == "int4":
+        return QuantizedDraft(model, 32)
     m = re.fullmatch(r"exit(\d+)", key) if isinstance(key, str) else None
     if m is None:
-        raise ValueError(f"draft must be 'ngram' or 'exit<k>' (k blocks, e.g. 'exit4'), got {key!r}")
+        raise ValueError(f"draft must be 'ngram', 'int4' or 'exit<k>' (k blocks, e.g. 'exit4'), got {key!r}")
     return EarlyExitDraft(model, int(m.group(1)))
 
 
@@ -129,6 +137,8 @@ def draft_key(draft: Draft) -> str:
     """The key :func:`make_draft` builds ``draft`` from."""
     if isinstance(draft, EarlyExitDraft):
         return f"exit{draft.num_layers}"
+    if isinstance(draft, QuantizedDraft) and draft.group_size == 32:
+        return "int4"
     if isinstance(draft, NGramDraft) and (draft.max_ngram, draft.min_ngram) == (3, 1):
         return "ngram"
     raise ValueError(f"no key for draft {draft.name!r}")
@@ -217,6 +227,8 @@ def _run(size: dict, device) -> list[dict]:
     gamma, exit_layers = size.get("gamma", 6), size.get("exit", 4)
     runs = {"n-gram": (make_draft(model, "ngram"), gamma),
             f"early exit {exit_layers}": (make_draft(model, f"exit{exit_layers}"), size.get("exit_gamma", 2))}
+    if "int4_gamma" in size and torch.device(device).type == "cpu" and quantized_unavailable() is None:
+        runs["4-bit draft"] = (make_draft(model, "int4"), size["int4_gamma"])
     paired = compare_spec(model, prompt_ids(tokenizer, size.get("prompt", "edit")), runs, size.get("new", 96),
                           eos_token_id=end_token(tokenizer), repeats=size.get("repeats", 3))
     rows = []
@@ -240,12 +252,12 @@ SPEC_DECODE = register(
         name="spec_decode",
         module=MODULE,
         description="SmolLM2-135M greedy decode tokens/s (prefill subtracted) on a prompt of llmu.spec.prompts: "
-                    "plain vs speculative with n-gram lookup and with an early exit draft, in turn (paired speedup, "
+                    "plain vs speculative with n-gram lookup, an early exit draft and (CPU) the model at 4 bits, in turn (paired speedup, "
                     "identical output enforced)",
         run=_run,
         gpu_sizes=[{"prompt": p, "new": 128, "gamma": 6, "exit": 8, "exit_gamma": 2, "repeats": 5}
                    for p in ("edit", "summarise", "story")],
-        cpu_sizes=[{"prompt": "edit", "new": 96, "gamma": 6, "exit": 4, "exit_gamma": 2, "repeats": 3}],
+        cpu_sizes=[{"prompt": "edit", "new": 96, "gamma": 6, "exit": 4, "exit_gamma": 2, "int4_gamma": 2, "repeats": 3}],
         gpu_dtype=torch.float32,
         x_axis="prompt",
     )

@@ -261,3 +261,12 @@ def test_the_steps_rope_is_apply_ropes_half_layout_bit_for_bit():
     got = DecodeStep._rotate(x, *DecodeStep._rope_tables(cos, sin))
     want = apply_rope(x.transpose(0, 1), cos, sin, "half").transpose(0, 1)   # (heads, T, D) in apply_rope
     assert torch.equal(got, want)
+
+
+def test_last_gives_the_last_tokens_logits_only():
+    model = tiny_llama(0, **MID)
+    step = DecodeStep(model)
+    a, b = KVCache.for_model(model, 1, 32), KVCache.for_model(model, 1, 32)
+    every, last = step([3, 1, 4, 1, 5], a), step([3, 1, 4, 1, 5], b, last=True)
+    assert last.shape == (1, every.shape[1]) and torch.equal(last[0], every[-1])
+    assert a.length == b.length == 5 and torch.equal(a.k[1][:, :, :5], b.k[1][:, :, :5])

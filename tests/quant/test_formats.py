@@ -9,6 +9,8 @@ Tolerances:
 - FP8: rounding to nearest keeps a relative error of at most half an ulp, ``2^-4`` for E4M3 (3
   mantissa bits) and ``2^-3`` for E5M2, for values in the normal range; ``to_fp8`` itself must equal
   torch's own cast bit for bit;
+- min-max rounding (``quantize_minmax``): every value within half a step of its code, the group's
+  minimum exactly (``0 * s + m``); on the file's Q4_1 tensors it finds the file's own codes again;
 - GGUF: ``from_gguf`` + ``dequantize`` equals ``llmu.models.quants.dequantize`` bit for bit (same
   float32 operations in the same order); the ``(q - z) * s`` form with the float zero ``-m / d`` is
   within a few float32 ulps of it (``1e-6`` of the tensor's largest magnitude).
@@ -32,6 +34,7 @@ from llmu.quant.formats import (
     from_gguf,
     pack_int4,
     quantize,
+    quantize_minmax,
     representable_values,
     to_fp8,
     unpack_int4,
@@ -291,6 +294,40 @@ def test_from_gguf_real_model_tensors_bit_for_bit(name, rows):
         assert torch.equal(dequantize(from_gguf(t)), t.dequantize())  # the GGUFTensor form
     plain = QuantizedTensor(qt.codes, qt.scale, qt.zero, qt.bits, 32, qt.symmetric, "group")
     torch.testing.assert_close(dequantize(plain), ref, atol=1e-6 * ref.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_minmax_rounding_is_within_half_a_step_and_spans_each_group(bits, shape):
+    w = _w(*shape, seed=bits).abs() + 1.0    # all positive: no group holds zero
+    qt = quantize_minmax(w, bits, group_size=32)
+    back = dequantize(qt)
+    assert ((back - w).abs() <= _steps(qt) / 2 * (1 + 1e-5)).all()
+    groups = qt.codes.reshape(shape[0], -1, 32)
+    assert (groups.amin(-1) == 0).all() and (groups.amax(-1) == 2**bits - 1).all()   # the whole grid is used
+    assert torch.equal(back.reshape(shape[0], -1, 32).amin(-1), w.reshape(shape[0], -1, 32).amin(-1))
+    # the integer-zero format spends its codes on the range down to 0: a coarser grid here
+    assert (dequantize(quantize(w, bits, group_size=32)) - w).abs().mean() > (back - w).abs().mean()
+
+
+def test_minmax_constant_and_bad_groups():
+    qt = quantize_minmax(torch.full((2, 64), -0.5), 4, group_size=32)
+    assert torch.equal(qt.codes, torch.zeros(2, 64, dtype=torch.uint8)) and (qt.scale == 1).all()
+    assert torch.equal(dequantize(qt), torch.full((2, 64), -0.5))
+    with pytest.raises(ValueError, match="group_size"):
+        quantize_minmax(_w(2, 48), 4, group_size=32)
+    with pytest.raises(ValueError, match="bits"):
+        quantize_minmax(_w(2, 64), 5, group_size=32)
+
+
+@pytest.mark.parametrize("name", ["blk.0.attn_v.weight", "blk.7.ffn_down.weight"])
+def test_minmax_finds_the_files_q4_1_codes_again(name):
+    qt = from_gguf(GGUFFile().tensor(name))
+    again = quantize_minmax(dequantize(qt), 4, group_size=32)
+    assert torch.equal(again.codes, qt.codes)
+    torch.testing.assert_close(again.scale, qt.scale, rtol=1e-5, atol=0)
+    torch.testing.assert_close(dequantize(again), dequantize(qt), atol=1e-6 * dequantize(qt).abs().max().item(),
+                               rtol=0)
 
 
 def test_from_gguf_bad_inputs():

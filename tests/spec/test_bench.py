@@ -23,7 +23,8 @@ from llmu.kvcache.reference import decode_cached
 from llmu.models import tiny_llama
 from llmu.spec import bench
 from llmu.spec.decode import SpecOutput, speculative_generate
-from llmu.spec.drafts import EarlyExitDraft, NGramDraft
+from llmu.spec.drafts import EarlyExitDraft, NGramDraft, QuantizedDraft
+from llmu.spec.quantized_step import quantized_unavailable
 
 pytestmark = pytest.mark.kernels
 
@@ -55,6 +56,12 @@ def test_make_draft_and_its_key():
     for bad in ("exit", "early4", 4, "exit3"):  # exit3: the tiny model has 2 blocks
         with pytest.raises(ValueError):
             bench.make_draft(model, bad)
+    if quantized_unavailable() is None:
+        mid = tiny_llama(0, hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16)
+        int4 = bench.make_draft(mid, "int4")
+        assert isinstance(int4, QuantizedDraft) and int4.group_size == 32 and bench.draft_key(int4) == "int4"
+        with pytest.raises(ValueError, match="must divide"):
+            bench.make_draft(model, "int4")  # the tiny model's 48 inputs are not groups of 32
 
 
 def test_check_identical():
@@ -153,7 +160,8 @@ def test_spec_decode_cpu_size_on_smollm2(smollm2):
     # rows, `llmu bench spec_decode --sizes cpu` measures (about a minute)
     size = dict(bench.SPEC_DECODE.cpu_sizes[0], new=24, repeats=2)
     rows = runner.run(["spec_decode"], device="cpu", sizes=[size], entries=[bench.SPEC_DECODE])["rows"]
-    assert [r["provider"] for r in rows] == ["plain", "n-gram", f"early exit {size['exit']}"]
+    quantized = ["4-bit draft"] if quantized_unavailable() is None else []
+    assert [r["provider"] for r in rows] == ["plain", "n-gram", f"early exit {size['exit']}"] + quantized
     by = {r["provider"]: r for r in rows}
     for r in rows:
         assert r["status"] == "ok", r["reason"]
@@ -170,6 +178,9 @@ def test_spec_decode_cpu_size_on_smollm2(smollm2):
     assert ngram["gamma"] == size["gamma"] and early["gamma"] == size["exit_gamma"]
     assert 0 <= early["acceptance"] <= 1 and early["draft_share"] > 0
     assert 0.3 < ngram["acceptance"] <= 1 and ngram["tokens_per_step"] > 1.5  # the edit prompt copies itself
+    if quantized:  # the model at 4 bits guesses the float32 model's greedy tokens nearly always
+        int4 = by["4-bit draft"]
+        assert int4["gamma"] == size["int4_gamma"] and int4["acceptance"] > 0.8 and int4["draft_share"] > 0
 
 
 # ----------------------------------------------------------------------------------------------
