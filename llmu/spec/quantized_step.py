@@ -80,7 +80,8 @@ class Int4Product:
 
     The kernel computes ``w = (q - 8) * scale + zero'`` with bf16 ``scale`` and ``zero'``: module 10's
     ``w = (q - z) * s`` is that with ``zero' = (8 - z) * s`` (Q4_1's ``w = q d + m``: ``zero' = m + 8 d``).
-    Rounding the scales to bf16 moves each weight by at most about ``2^-9`` of its group's range.
+    Rounding ``scale`` and ``zero'`` to bf16 (8 significant bits) moves a weight by at most about
+    ``2^-9 (8 |scale| + |zero'|)``.
     """
 
     __slots__ = ("packed", "scales_zeros", "group_size", "out_features")
@@ -139,8 +140,9 @@ class QuantizedStep(DecodeStep):
     """:class:`~llmu.models.decode_step.DecodeStep` with the block weights at 4 bits (groups of
     ``group_size``) and the LM head at 8: ``step(tokens, cache) -> logits (T, vocab)`` float32,
     close to the model's, not equal (the module's docstring). The codes are computed once, here,
-    from the model's float32 weights with module 10's round-to-nearest (:func:`~llmu.quant.formats.quantize`,
-    asymmetric); the step holds them and no reference to the float weights of the projections.
+    from the model's float32 weights (:func:`~llmu.quant.formats.quantize_minmax` for the blocks,
+    symmetric per-row :func:`~llmu.quant.formats.quantize` for the head); the products hold only
+    the codes, so later changes to the weights do not reach them.
     """
 
     def __init__(self, model, *, group_size: int = 32):

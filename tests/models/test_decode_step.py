@@ -268,5 +268,7 @@ def test_last_gives_the_last_tokens_logits_only():
     step = DecodeStep(model)
     a, b = KVCache.for_model(model, 1, 32), KVCache.for_model(model, 1, 32)
     every, last = step([3, 1, 4, 1, 5], a), step([3, 1, 4, 1, 5], b, last=True)
-    assert last.shape == (1, every.shape[1]) and torch.equal(last[0], every[-1])
+    assert last.shape == (1, every.shape[1])
+    # the head's product of one row and of five sum in orders the BLAS picks per shape: float32 rounding
+    torch.testing.assert_close(last[0], every[-1], rtol=1e-5, atol=1e-5)
     assert a.length == b.length == 5 and torch.equal(a.k[1][:, :, :5], b.k[1][:, :, :5])

@@ -130,7 +130,9 @@ def test_last_gives_the_last_row_only():
     step = QuantizedStep(model)
     a, b = KVCache.for_model(model, 1, 64), KVCache.for_model(model, 1, 64)
     every, last = step([1, 2, 3, 4], a), step([1, 2, 3, 4], b, last=True)
-    assert last.shape == (1, every.shape[1]) and torch.equal(last[0], every[-1])
+    assert last.shape == (1, every.shape[1])
+    # one row or four through the int8 head: the kernel may sum in another order, and rounds to bf16
+    torch.testing.assert_close(last[0], every[-1], rtol=2.0**-7, atol=1e-3)
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 6])
