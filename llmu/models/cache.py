@@ -33,11 +33,13 @@ class KVCache:
         self.max_len = max_len
 
     @classmethod
-    def for_model(cls, model, batch_size: int = 1, max_len: int | None = None) -> KVCache:
-        """A cache shaped for ``model`` (its dtype and device); ``max_len`` defaults to its context."""
+    def for_model(cls, model, batch_size: int = 1, max_len: int | None = None, *,
+                  num_layers: int | None = None) -> KVCache:
+        """A cache shaped for ``model`` (its dtype and device); ``max_len`` defaults to its context,
+        ``num_layers`` to all its layers (fewer: a draft that runs only the first few)."""
         c = model.config
         p = model.embed_tokens.weight
-        return cls(c.num_hidden_layers, batch_size, c.num_key_value_heads,
+        return cls(num_layers or c.num_hidden_layers, batch_size, c.num_key_value_heads,
                    max_len or c.max_position_embeddings, c.head_dim, dtype=p.dtype, device=p.device)
 
     @property

@@ -80,8 +80,8 @@ class Int4Product:
 
     The kernel computes ``w = (q - 8) * scale + zero'`` with bf16 ``scale`` and ``zero'``: module 10's
     ``w = (q - z) * s`` is that with ``zero' = (8 - z) * s`` (Q4_1's ``w = q d + m``: ``zero' = m + 8 d``).
-    Rounding ``scale`` and ``zero'`` to bf16 (8 significant bits) moves a weight by at most about
-    ``2^-9 (8 |scale| + |zero'|)``.
+    Rounding ``scale`` and ``zero'`` to bf16 (8 significant bits, a unit roundoff of ``2^-8``) moves
+    a weight by at most ``2^-8 (8 |scale| + |zero'|)``.
     """
 
     __slots__ = ("packed", "scales_zeros", "group_size", "out_features")

@@ -55,13 +55,14 @@ def test_int4_product_is_the_dequantized_weights_product(fmt, n, k, g, rows):
     x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
     got = Int4Product(qt)(x)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-    # The kernel rounds each group's scale and zero to bf16 (8 significant bits: a weight moves by
-    # at most 2^-9 of |scale| * 8 + |zero|), accumulates in float32 and rounds the result to bf16
-    # (2^-9 of it). A wrong code, nibble order or zero convention moves a dot product by a whole
-    # step, ~|x| * scale per weight: far more than this.
+    # The kernel computes w = (q - 8) scale + zero' with scale and zero' rounded to bf16 (unit
+    # roundoff 2^-8: a weight moves by at most 2^-8 (8 |scale| + |zero'|)), accumulates in float32
+    # and rounds the result to bf16 (2^-8 of it). A wrong code, nibble order or zero convention
+    # moves a dot product by a whole step, ~|x| * scale per weight: far more than this.
     want = _bf16_reference(x, dequantize(qt))
-    s, z = qt.scale.repeat_interleave(g, 1), (qt.zero * qt.scale).repeat_interleave(g, 1)
-    weight_slack = 2.0**-8 * (8 * s.abs() + z.abs() + dequantize(qt).abs())          # (N, K)
+    s = qt.scale
+    zero = qt.offset + 8 * s if qt.offset is not None else (8 - qt.zero) * s
+    weight_slack = 2.0**-8 * (8 * s.abs() + zero.abs()).repeat_interleave(g, 1)       # (N, K)
     bound = x.double().abs() @ weight_slack.double().T + 2.0**-8 * want.abs() + 1e-6
     assert ((got.double() - want).abs() <= bound).all(), ((got.double() - want).abs() / bound).max()
 
@@ -88,7 +89,7 @@ def test_int8_product_is_the_dequantized_weights_product(n, k):
     got = Int8Product(w)(x)
     qt = quantize(w, 8, symmetric=True, granularity="channel")
     want = _bf16_reference(x, dequantize(qt))
-    # bf16 scales (2^-9 of each weight) and a bf16 result (2^-9 of it), as for int4
+    # bf16 scales (2^-8 of each weight) and a bf16 result (2^-8 of it), as for int4
     bound = 2.0**-8 * (x.double().abs() @ dequantize(qt).abs().double().T + want.abs()) + 1e-6
     assert ((got.double() - want).abs() <= bound).all()
 
