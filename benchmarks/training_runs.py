@@ -44,8 +44,7 @@ def main(argv=None) -> None:
     from llmu.runtime import environment
     from llmu.training.dpo import preference_pairs
     from llmu.training.lora import add_lora, parameter_counts, unload_lora
-    from llmu.training.runs import (ALL_PROJECTIONS, dpo_lora, greedy_answers, preference_eval, pretrain_small,
-                                    sft_lora)
+    from llmu.training.runs import ALL_PROJECTIONS, dpo_lora, greedy_answers, preference_eval, pretrain_small, sft_lora
     from llmu.training.sft import sft_examples
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

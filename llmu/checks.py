@@ -10,9 +10,8 @@ per call, never once per step or per element.
 
 from __future__ import annotations
 
-import operator
-
 import numbers
+import operator
 from collections.abc import Iterable, Mapping
 
 import torch

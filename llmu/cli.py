@@ -373,6 +373,18 @@ def lab_command(extra: Sequence[str] = (), root=None) -> list[str]:
     return cmd + extra
 
 
+def lab_env(environ=None) -> dict[str, str]:
+    """The environment JupyterLab starts with: this one, with the folder of this Python's scripts
+    (``.venv/bin`` in a ``make lab`` set-up) first on ``PATH``, so that a terminal opened in
+    JupyterLab finds ``llmu`` (``llmu grade ...``) and this Python without an activated venv."""
+    env = dict(os.environ if environ is None else environ)
+    scripts = os.path.dirname(os.path.abspath(sys.executable))
+    path = env.get("PATH", "")
+    if scripts not in path.split(os.pathsep):
+        env["PATH"] = scripts + (os.pathsep + path if path else "")
+    return env
+
+
 def _lab(args, extra) -> int:
     from llmu import course
 
@@ -386,7 +398,7 @@ def _lab(args, extra) -> int:
         return 0
     print("llmu lab: " + " ".join(cmd), file=sys.stderr)
     try:
-        return subprocess.call(cmd)
+        return subprocess.call(cmd, env=lab_env())
     except KeyboardInterrupt:
         return 0
 

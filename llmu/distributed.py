@@ -216,10 +216,10 @@ def launch(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float =
                 for rank, p in enumerate(procs):
                     if rank not in values and p.exitcode not in (None, 0) and results.empty():
                         raise RankError(rank, f"the process exited with code {p.exitcode} before returning "
-                                              "(its own error message, if any, is on stderr)")
+                                              "(its own error message, if any, is on stderr)") from None
                 if time.monotonic() > deadline:
                     missing = [r for r in range(world_size) if r not in values]
-                    raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout_s} s")
+                    raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout_s} s") from None
                 continue
             if status == "error":
                 raise _first_failure(rank, payload, when, results)

@@ -338,7 +338,7 @@ def notebook_runs():
         assert not slow, f"{name}: cells over the {course.CELL_TIMEOUT} s grading limit: {slow}"
         if seconds > NOTEBOOK_BUDGET_S:
             warnings.warn(f"{name} took {seconds:.0f} s here (budget {NOTEBOOK_BUDGET_S} s on an idle 2-CPU "
-                          f"machine); slowest cells: {rec['slowest_cells']}")
+                          f"machine); slowest cells: {rec['slowest_cells']}", stacklevel=2)
         assert seconds < NOTEBOOK_CEILING_S, f"{name} took {seconds:.0f} s (ceiling {NOTEBOOK_CEILING_S:.0f} s): {rec['slowest_cells']}"
         assert rss < NOTEBOOK_BUDGET_RSS_MB, f"{name} peaked at {rss:.0f} MB (budget {NOTEBOOK_BUDGET_RSS_MB} MB)"
         # Interactive pictures must leave their widget state in the notebook: without it, a static

@@ -255,3 +255,14 @@ def test_grade_of_a_notebook_prints_progress_and_the_table(tmp_path, monkeypatch
     assert "not answered yet" in out and "was not changed" in out
     assert stub.read_bytes() == before
 
+
+
+def test_lab_puts_this_pythons_scripts_first_on_path():
+    """A terminal opened in JupyterLab inherits the server's environment: with the venv's scripts
+    first on PATH, `llmu grade ...` typed there works without an activated venv."""
+    scripts = os.path.dirname(os.path.abspath(sys.executable))
+    env = cli.lab_env({"PATH": "/usr/bin:/bin", "HOME": "/home/ada"})
+    assert env["PATH"].split(os.pathsep) == [scripts, "/usr/bin", "/bin"] and env["HOME"] == "/home/ada"
+    assert cli.lab_env({"PATH": env["PATH"]})["PATH"] == env["PATH"]          # not added twice
+    assert cli.lab_env({})["PATH"] == scripts
+    assert os.path.exists(os.path.join(scripts, "llmu")), "the llmu script lies beside this Python"

@@ -49,7 +49,8 @@ def test_every_kernel_compiles_for(target, tmp_path, monkeypatch):
     stale = report["compiles"]["compiled"] - len({r["kernel"] for r in rows})
     if not full and stale > 0:
         warnings.warn(f"{stale} compiles for {target} were not in {RECORD.name} (a kernel or Triton changed): "
-                      "they were compiled, which takes longer; `make gpu-compile-record` writes the record again")
+                      "they were compiled, which takes longer; `make gpu-compile-record` writes the record again",
+                      stacklevel=2)
     limit = TARGETS[target][1]
     assert all(r["shared"] <= limit for r in rows)
     # ptxas reported on every compiled kernel (registers and spills come from its -v output)
@@ -194,7 +195,7 @@ def test_the_record_covers_every_target_and_warns_on_another_triton():
     # match and every kernel compiles in full, which is correct but slow. Say so, do not fail.
     if data["triton"] != triton.__version__:
         warnings.warn(f"{RECORD.name} was written with Triton {data['triton']}, this is {triton.__version__}: "
-                      "every kernel compiles in full until `make gpu-compile-record` writes it again")
+                      "every kernel compiles in full until `make gpu-compile-record` writes it again", stacklevel=2)
     assert {e["target"] for e in data["entries"].values()} == set(TARGETS)
 
 

@@ -20,8 +20,18 @@ from llmu.bench.paired import PAIRED_FIELDS, Paired, first_difference, interleav
 from llmu.bench.peaks import GPU_PEAKS, Peak, peak_for
 from llmu.bench.registry import PROVIDER_KINDS, REGISTRY, TOPICS, Entry, Provider, load_all, register
 from llmu.bench.results import RESULTS_DIR, load, recorded, recorded_summary, results_dir, run_label, save
-from llmu.bench.runner import (ROW_FIELDS, SCHEMA_VERSION, YOURS, YOURS_TOLERANCE, environment_info, run, throughput,
-                               time_cpu, time_cuda, untimed_note)
+from llmu.bench.runner import (
+    ROW_FIELDS,
+    SCHEMA_VERSION,
+    YOURS,
+    YOURS_TOLERANCE,
+    environment_info,
+    run,
+    throughput,
+    time_cpu,
+    time_cuda,
+    untimed_note,
+)
 
 
 def figure(results_or_rows, name: str, **kwargs):

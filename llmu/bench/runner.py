@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import functools
 import math
 import os
 import platform
@@ -362,7 +363,7 @@ def _time_providers(entry: Entry, size: dict, device: torch.device, dtype, timer
                     row.update(status="error", reason=wrong)
                     rows.append(row)
                     continue
-                stats = timer(lambda: provider.fn(*inputs))
+                stats = timer(functools.partial(provider.fn, *inputs))
             except ImportError as exc:  # an external library that is not installed here
                 row.update(status="skipped", reason=f"not installed: {_short_error(exc)}")
             except Exception as exc:  # noqa: BLE001 - one failing provider must not stop the run

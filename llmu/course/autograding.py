@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -12,10 +13,20 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-from .paths import AUTOGRADER_DIR, AUTOGRADING_ENV, CELL_TIMEOUT, CourseError, SOURCE_DIR, TIMEOUT_ERROR, _root, autograder_dir, list_assignments, solutions_dir
-from .settings import _api, _checked, nbgrader_config
+from .paths import (
+    AUTOGRADER_DIR,
+    AUTOGRADING_ENV,
+    CELL_TIMEOUT,
+    SOURCE_DIR,
+    TIMEOUT_ERROR,
+    CourseError,
+    _root,
+    autograder_dir,
+    list_assignments,
+    solutions_dir,
+)
 from .releasing import release
+from .settings import _api, _checked, nbgrader_config
 
 
 @dataclass
@@ -32,6 +43,9 @@ class StudentResult:
     log: str = ""
     #: ``{"<notebook>.html": html}`` when feedback was generated.
     feedback: dict = field(default_factory=dict)
+    #: ``{"<notebook>/<grade_id>": message}`` for each graded cell that raised: what its failed
+    #: check says (:func:`failure_message`).
+    messages: dict = field(default_factory=dict)
 
 
 def _timed_out_cells(autograded_dir: Path) -> list[str]:
@@ -44,6 +58,46 @@ def _timed_out_cells(autograded_dir: Path) -> list[str]:
                     gid = cell.get("metadata", {}).get("nbgrader", {}).get("grade_id") or f"cell{i}"
                     out.append(f"{nb_path.stem}/{gid}")
                     break
+    return out
+
+
+def _plain(text: str) -> str:
+    """``text`` without terminal colours, blank lines at either end or trailing spaces."""
+    lines = [ln.rstrip() for ln in re.sub(r"\x1b\[[0-9;]*m", "", text or "").splitlines()]
+    while lines and not lines[0].strip():
+        lines.pop(0)
+    while lines and not lines[-1].strip():
+        lines.pop()
+    return "\n".join(lines).strip()
+
+
+def failure_message(error: Mapping) -> str:
+    """What a graded cell's error output (``ename``, ``evalue``) says to the grader: the message of
+    a failed check (an ``AssertionError``: llmu.grading's checks say what failed, then where to
+    look), ``not answered yet`` for the released stub's ``NotImplementedError``, else the
+    exception's name and message."""
+    ename, evalue = error.get("ename") or "Error", _plain(error.get("evalue", ""))
+    if ename == "NotImplementedError" or evalue.startswith("NotImplementedError"):
+        # the stub, raised in the answer cell (Triton's interpreter wraps it in an InterpreterError)
+        return "not answered yet (NotImplementedError)"
+    if ename in ("AssertionError", "CheckFailed") and evalue:
+        return evalue
+    return f"{ename}: {evalue}" if evalue else ename
+
+
+def _failure_messages(autograded_dir: Path) -> dict[str, str]:
+    """``{"<notebook>/<grade_id>": message}`` for the graded cells of the autograded notebooks in
+    ``autograded_dir`` that hold an error (the first one of the cell)."""
+    out = {}
+    for nb_path in sorted(autograded_dir.glob("*.ipynb")):
+        nb = json.loads(nb_path.read_text())
+        for cell in nb.get("cells", []):
+            meta = cell.get("metadata", {}).get("nbgrader", {})
+            if not (meta.get("grade") and meta.get("grade_id")):
+                continue
+            error = next((o for o in cell.get("outputs", []) if o.get("output_type") == "error"), None)
+            if error is not None:
+                out[f"{nb_path.stem}/{meta['grade_id']}"] = failure_message(error)
     return out
 
 
@@ -63,7 +117,9 @@ def _collect(config, aid: str, student: str) -> StudentResult:
         for nb in sub.notebooks:
             for g in nb.grades:
                 result.grades[f"{nb.name}/{g.name}"] = (g.score, g.max_score)
-    result.timed_out = _timed_out_cells(Path(coursedir.format_path(coursedir.autograded_directory, student, aid)))
+    graded = Path(coursedir.format_path(coursedir.autograded_directory, student, aid))
+    result.timed_out = _timed_out_cells(graded)
+    result.messages = _failure_messages(graded)
     return result
 
 
@@ -85,8 +141,40 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 59.5 else f"{int(seconds // 60)} min {seconds % 60:02.0f} s"
 
 
-def format_summary(results: Mapping[str, StudentResult], seconds: float) -> str:
-    """The last line of a batch grading: submissions graded, how many failed, how long it took."""
+#: The narrowest a summary line of lost points gets trimmed to (:func:`format_summary`).
+MIN_WIDTH = 60
+
+
+def _trim(line: str, width: int) -> str:
+    return line if len(line) <= width else line[:width - 3].rstrip() + "..."
+
+
+def lost_points(results: Mapping[str, StudentResult], width: int | None = None) -> list[str]:
+    """A line per test that lost points, student by student: the test, its points and the first
+    line of its failed check's message, each line trimmed to ``width`` columns (default: the
+    terminal's, or 120 when the output is not a terminal; at least :data:`MIN_WIDTH`)."""
+    if width is None:
+        width = shutil.get_terminal_size((120, 24)).columns
+    width = max(int(width), MIN_WIDTH)
+    rows = []
+    for s, r in results.items():
+        for key, (sc, mx) in r.grades.items():
+            if sc is not None and mx and sc < mx:
+                message = r.messages.get(key, "")
+                rows.append((s, key.split("/", 1)[-1], f"{sc:g} / {mx:g}",
+                             message.splitlines()[0].strip() if message else "(no error in the graded notebook)"))
+    if not rows:
+        return []
+    w_s, w_t, w_p = (max(len(row[i]) for row in rows) for i in range(3))
+    return [_trim(f"  {s:<{w_s}}  {t:<{w_t}}  {p:>{w_p}}  {m}", width) for s, t, p, m in rows]
+
+
+def format_summary(results: Mapping[str, StudentResult], seconds: float, width: int | None = None) -> str:
+    """The end of a batch grading: each test that lost points with the first line of its message
+    (:func:`lost_points`, lines at most ``width`` wide), then a line with the submissions graded,
+    how many failed and how long it took."""
+    lost = lost_points(results, width)
+    head = ["Points lost, with the first line of each failed test's message:", *lost, ""] if lost else []
     failed = [s for s, r in results.items() if not r.success]
     timed_out = sum(len(r.timed_out) for r in results.values())
     line = (f"Graded {len(results)} submission(s) in {_duration(seconds)}: "
@@ -95,7 +183,7 @@ def format_summary(results: Mapping[str, StudentResult], seconds: float) -> str:
         line += f" ({', '.join(failed)}: see the log above)"
     if timed_out:
         line += f"; {timed_out} cell(s) ran out of time"
-    return line + "."
+    return "\n".join([*head, line + "."])
 
 
 _REPORTING = []

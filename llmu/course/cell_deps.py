@@ -15,16 +15,19 @@ Which cells must run, from the names each cell binds and reads (Python's ``ast``
 2. every cell that reads a name an answer cell binds, or a name bound by a cell that does
    (transitively): its behaviour can depend on the learner's code. Assigning to ``x.attr`` or
    ``x[i]`` counts as binding ``x``: an object that carries the learner's code taints its users.
-   An import does not taint the name it binds (``import torch`` in an answer binds the library);
+   An import does not taint the name it binds (``import torch`` in an answer binds the library).
+   A function that declares ``global x`` may bind ``x`` in every cell that reads the function's
+   name (it may call it);
 3. every cell that binds a name a running cell reads, from any earlier cell (transitively): the
    running cells must see the state they saw in the instructor's run;
 4. any cell the analysis cannot follow: a syntax error (IPython magics), ``exec``/``eval``,
    ``globals()``/``locals()``/``vars()``, ``get_ipython``, ``import *``, ``match``.
 
-What it cannot see is a cell that changes shared state without binding a name (a method call such
-as ``torch.manual_seed(0)`` or ``model.eval()``): a cell left out never runs such a call. A
-running cell that needed it fails loudly (the check then shows it); it cannot make a graded cell
-fail that would pass, since the stubs make every graded cell fail first.
+What it cannot see is a cell that changes shared state without binding a name: a method call
+such as ``torch.manual_seed(0)`` or ``model.eval()``, or a call of a function that calls another
+one declaring ``global`` (only direct callers are followed). A cell left out never runs such a
+call. A running cell that needed it fails loudly (the check then shows it); it cannot make a
+graded cell fail that would pass, since the stubs make every graded cell fail first.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ class _Cell(ast.NodeVisitor):
         self.imports: set[str] = set()
         self.reads: set[str] = set()
         self.late: set[str] = set()
+        self.globals_of: dict[str, set[str]] = {}   # function name -> the globals it declares
         self.opaque = False
         self._bound: set[str] = set()
         self._conditional = 0
@@ -220,11 +224,11 @@ class _Cell(ast.NodeVisitor):
             for expr in node.args.defaults + [d for d in node.args.kw_defaults if d is not None]:
                 self.visit(expr)
         self.late |= _free_names(node)
-        for sub in ast.walk(node):     # `global x` inside a function binds x here when it runs
-            if isinstance(sub, ast.Global):
-                self.maybe.update(sub.names)
+        declared = {name for sub in ast.walk(node) if isinstance(sub, ast.Global) for name in sub.names}
         if not isinstance(node, ast.Lambda):
             self._bind(node.name)
+            if declared:               # `global x` binds x in the cells that call it (cells_to_run)
+                self.globals_of[node.name] = declared
 
     visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = visit_Lambda = _scope
 
@@ -272,6 +276,15 @@ def cells_to_run(sources: list[str], seeds: set[int], raising: set[int] = frozen
         if cells[i] is not None:
             cells[i].maybe |= cells[i].certain
             cells[i].certain = set()
+    # a cell that reads a function declaring `global x` may bind x (it may call the function)
+    globals_of: dict[str, set[str]] = {}
+    for c in cells:
+        for name, declared in (c.globals_of.items() if c is not None else ()):
+            globals_of.setdefault(name, set()).update(declared)
+    for c in cells:
+        if c is not None:
+            for name in (c.reads | c.late) & set(globals_of):
+                c.maybe |= globals_of[name]
     everywhere = set().union(*(c.certain | c.maybe | c.imports for c in cells if c is not None))
     # builtins (print, len) tie no cells together, unless some cell rebinds one
     for c in cells:

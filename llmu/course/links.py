@@ -21,11 +21,9 @@ import json
 import re
 from pathlib import Path
 
-
 from .colab import PUBLISHED_BRANCH, REPOSITORY_URL
 from .notebooks import without_hidden_tests
 from .paths import CourseError, repo_root
-
 
 #: Shared helpers every notebook uses; listed after the module's own code in ``code_links``.
 _HELPER_MODULES = ("llmu.grading", "llmu.checks", "llmu.viz", "llmu.bench", "llmu.runtime", "llmu.course",

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from llmu.runtime import AUTOGRADING_ENV  # noqa: F401  (one definition: benchmarks read it too)
 
-
 COURSE_ID = "llmu"
 SOURCE_DIR = "solutions"
 RELEASE_DIR = "course"

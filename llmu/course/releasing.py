@@ -26,8 +26,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-from .paths import RELEASE_DIR, CourseError, _nbgrader_failure, _root, autograder_dir, course_dir, list_assignments, solutions_dir
+from .paths import (
+    RELEASE_DIR,
+    CourseError,
+    _nbgrader_failure,
+    _root,
+    autograder_dir,
+    course_dir,
+    list_assignments,
+    solutions_dir,
+)
 from .settings import _api, nbgrader_config
 
 #: The record of the last release, in each ``course/<assignment>/`` (hidden in JupyterLab).

@@ -5,9 +5,19 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-
-from .paths import AUTOGRADER_DIR, BEGIN_HIDDEN, CELL_TIMEOUT, CODE_STUB, COURSE_ID, CourseError, RELEASE_DIR, SOURCE_DIR, _nbgrader_failure, _root, gradebook_url
-
+from .paths import (
+    AUTOGRADER_DIR,
+    BEGIN_HIDDEN,
+    CELL_TIMEOUT,
+    CODE_STUB,
+    COURSE_ID,
+    RELEASE_DIR,
+    SOURCE_DIR,
+    CourseError,
+    _nbgrader_failure,
+    _root,
+    gradebook_url,
+)
 
 #: The folder of autograder/ that receives the HTML feedback pages, one folder per student.
 FEEDBACK_DIR = "feedback_html"
@@ -22,8 +32,8 @@ def nbgrader_config(root=None, *, timeout: int = CELL_TIMEOUT):
     formgrader and this module share one configuration.
     """
     _scripts_on_path()
-    from nbgrader.preprocessors import ClearHiddenTests, GetGrades
     from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor
+    from nbgrader.preprocessors import ClearHiddenTests, GetGrades
     from traitlets.config import Config
 
     root = _root(root)
@@ -58,8 +68,11 @@ def nbgrader_config(root=None, *, timeout: int = CELL_TIMEOUT):
     # Feedback: nbgrader's ClearHiddenTests strips the hidden tests' source, but a failing hidden
     # test's traceback still quotes its lines; HideHiddenTracebacks (first, while the markers are
     # still there to find) cuts those tracebacks down to the check's own message.
+    # StaticOutputs: an output the HTML page cannot show (a plotly figure, which carries nothing
+    # but plotly's JSON) gets a sentence that says what it is and where to see it; otherwise
+    # nbconvert would drop it from the page with a UserWarning.
     c.GenerateFeedback.preprocessors = [GetGrades, hide_hidden_tracebacks(), ClearHiddenTests,
-                                        CSSHTMLHeaderPreprocessor]
+                                        static_outputs(), CSSHTMLHeaderPreprocessor]
     return c
 
 
@@ -93,6 +106,80 @@ def hide_hidden_tracebacks():
     HideHiddenTracebacks.__module__ = __name__
     _HIDE.append(HideHiddenTracebacks)
     return HideHiddenTracebacks
+
+
+#: plotly's own mimetype: a figure as JSON, drawn by plotly.js in JupyterLab (the course's figures
+#: carry nothing else; see :func:`static_outputs`).
+PLOTLY_MIMETYPE = "application/vnd.plotly.v1+json"
+#: Where an interactive figure stood on a feedback page, the sentence that stands there instead.
+FIGURE_NOTE = "Interactive figure{title}: not drawn on this page; open the notebook in JupyterLab to see it."
+#: The same for any other output an HTML page cannot show.
+OUTPUT_NOTE = "Output of type {mimetypes}: not shown on this page; open the notebook in JupyterLab to see it."
+_WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+_STATIC = []
+
+
+def _figure_title(figure) -> str:
+    """A plotly figure's title as plain text (plotly's <br> and <sup> markup flattened), or ''."""
+    import html
+    import re
+
+    title = ((figure or {}).get("layout") or {}).get("title")
+    text = title.get("text") if isinstance(title, dict) else title
+    if not isinstance(text, str):
+        return ""
+    text = re.sub(r"\s*<br\s*/?>\s*", " - ", text, flags=re.I)
+    return " ".join(html.unescape(re.sub(r"<[^>]+>", "", text)).split())
+
+
+def output_note(data) -> str:
+    """The sentence that replaces an output whose mimetypes an HTML page cannot show (``data``: the
+    output's mimebundle): for a plotly figure it names the figure by its title."""
+    if PLOTLY_MIMETYPE in data:
+        title = _figure_title(data[PLOTLY_MIMETYPE])
+        return FIGURE_NOTE.format(title=f' "{title}"' if title else "")
+    return OUTPUT_NOTE.format(mimetypes=", ".join(sorted(data)))
+
+
+def static_outputs():
+    """The feedback preprocessor class that gives every output a form the HTML page can show.
+
+    nbconvert's HTML exporter picks, for each display or result output, the first mimetype of its
+    ``display_data_priority`` that the output carries (HTML, images, LaTeX, Markdown, plain text;
+    a widget view only with the widget's saved state). A plotly figure, shown in a kernel without
+    a browser (as autograding runs it), carries only ``application/vnd.plotly.v1+json``: none of
+    these. nbconvert then leaves the output out of the page and warns ("Your element with
+    mimetype(s) ... is not able to be represented"), once per page.
+
+    A static picture of the figure would need kaleido and a Chromium, which the course does not
+    install; plotly's own HTML needs plotly.js (fetched from the network, or 4.8 MB inlined into
+    every page). So such an output is replaced, on the page only, by a sentence
+    (:func:`output_note`) that says which figure stood there and where to see it. Outputs that
+    carry a form the page shows (a figure saved with an image or HTML beside its JSON, a widget
+    with a text fallback) are left as they are.
+    """
+    if _STATIC:
+        return _STATIC[0]
+    import html
+
+    from nbgrader.preprocessors import NbGraderPreprocessor
+
+    class StaticOutputs(NbGraderPreprocessor):
+        def preprocess_cell(self, cell, resources, index):
+            # The exporter that registers this preprocessor is its parent, and the HTML exporter
+            # sets display_data_priority for both: what it can show is what this one keeps.
+            shown = set(self.display_data_priority) - {_WIDGET_VIEW}
+            for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
+                data = out.get("data")
+                if out.get("output_type") in ("display_data", "execute_result") and data and not shown & set(data):
+                    note = output_note(data)
+                    out["data"] = {"text/html": f'<p class="llmu-output-note"><em>{html.escape(note)}</em></p>',
+                                   "text/plain": note}
+            return cell, resources
+
+    StaticOutputs.__module__ = __name__
+    _STATIC.append(StaticOutputs)
+    return StaticOutputs
 
 
 def _scripts_on_path() -> None:

@@ -7,12 +7,10 @@ import os
 import re
 from pathlib import Path
 
-
-from .paths import CourseError
-from .notebooks import is_grade, is_test, nbgrader_meta
 from .colab import colab_cell_source
 from .links import CODE_LINK, code_links_source, github_url
-
+from .notebooks import is_grade, is_test, nbgrader_meta
+from .paths import CourseError
 
 #: The markdown cells that close every notebook, in this order: grade_id and heading.
 CLOSING_CELLS = (("summary", "## Summary"), ("self_check", "## Self-check"),

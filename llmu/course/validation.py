@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-
 from .paths import CELL_TIMEOUT
 from .settings import nbgrader_config
 

@@ -18,8 +18,7 @@ The notebook is ``solutions/16_serving_engine/16_serving_engine.ipynb``.
 
 from __future__ import annotations
 
-from llmu.engine.engine import (DEFAULT_KV_BYTES, CompletionOutput, EngineStats, LLMEngine, RequestOutput,
-                                StreamEvent)
+from llmu.engine.engine import DEFAULT_KV_BYTES, CompletionOutput, EngineStats, LLMEngine, RequestOutput, StreamEvent
 from llmu.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from llmu.engine.sequence import SamplingParams, Sequence, Status
 

@@ -21,9 +21,7 @@ import torch
 
 import llmu
 from llmu import checks, runtime
-from llmu.gpu_compile import TARGET_NAMES, capture
-from llmu.gpu_compile import cases as C
-from llmu.gpu_compile import cases_more as M
+from llmu.gpu_compile import TARGET_NAMES, capture, cases as C, cases_more as M
 from llmu.gpu_compile.cases import BF16, FLOAT_DTYPES, Case
 
 

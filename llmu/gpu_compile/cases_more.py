@@ -96,8 +96,7 @@ def _moe() -> list[Case]:
 # ---------------------------------------------------------------------------------------------
 
 def _quant() -> list[Case]:
-    from llmu.quant import formats
-    from llmu.quant import kernels as k
+    from llmu.quant import formats, kernels as k
 
     def int4(dt, m, n, kdim, g, path=None, lead=()):
         # codes, scales and zeros from the module's own quantizer, packed two codes a byte
@@ -303,8 +302,7 @@ def _spec() -> list[Case]:
 # ---------------------------------------------------------------------------------------------
 
 def _models() -> list[Case]:
-    from llmu.models import kernels as k
-    from llmu.models import quants
+    from llmu.models import kernels as k, quants
 
     # dequantize_blocks takes raw uint8 bytes only and always returns float32: no float input, so
     # each case runs once (dtypes=(F32,); the dtype is not used). 100 blocks: two programs of the

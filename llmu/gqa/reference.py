@@ -35,7 +35,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from llmu.layers.reference import apply_rope, rope_angles
 

@@ -189,7 +189,8 @@ def attend_cached(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
 def split_bounds(length: int, num_splits: int, block: int = 1) -> list[tuple[int, int]]:
     """The ``[start, end)`` stretch of every split: ``ceil(length / S)`` positions each, rounded up to
     a multiple of ``block`` (the kernel's loop step), so the last splits may be short or empty."""
-    chunk = -(-(-(-length // num_splits)) // block) * block
+    per_split = -(-length // num_splits)                 # ceil(length / S): -(-a // b) is ceil(a / b)
+    chunk = -(-per_split // block) * block                # rounded up to a multiple of block
     return [(min(s * chunk, length), min((s + 1) * chunk, length)) for s in range(num_splits)]
 
 

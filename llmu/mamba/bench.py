@@ -85,10 +85,9 @@ import torch.nn.functional as F
 
 from llmu.bench.peaks import dtype_name, peak_for
 from llmu.bench.registry import Entry, Provider, register
-from llmu.checks import require_size
 from llmu.bench.runner import YOURS, throughput
-from llmu.flash import bench as flash_bench
-from llmu.flash import kernels as flash_kernels
+from llmu.checks import require_size
+from llmu.flash import bench as flash_bench, kernels as flash_kernels
 from llmu.mamba import kernels, reference
 
 __all__ = ["MAMBA_SELECTIVE_SCAN", "ScanInputs", "check_size", "scan_setup", "scan_flops", "scan_bytes",

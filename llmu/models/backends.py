@@ -31,8 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from llmu.attention.reference import attention as naive_attention
-from llmu.attention.reference import allowed_keys, causal_mask, check_attention_mask
+from llmu.attention.reference import allowed_keys, attention as naive_attention, causal_mask, check_attention_mask
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,17 @@ def _check_params(params: SamplingParams | None) -> SamplingParams:
     return dataclasses.replace(params)
 
 
+def _check_fits(prompt_len: int, max_new_tokens: int, room: int, what: str, prompt_name: str) -> None:
+    """Raise ``ValueError`` naming the argument at fault when the prompt and the new tokens do not
+    fit in ``room`` positions: the prompt when it alone is too long, else ``max_new_tokens``."""
+    if prompt_len > room:
+        raise ValueError(f"{prompt_name}: the prompt alone holds {prompt_len} tokens, more than {what} of "
+                         f"{room} positions; shorten the prompt")
+    if prompt_len + max_new_tokens > room:
+        raise ValueError(f"max_new_tokens: prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) exceeds "
+                         f"{what} of {room} positions; at most {room - prompt_len} new tokens fit")
+
+
 def generate_ids(model, prompt_ids: Sequence[int], max_new_tokens: int, params: SamplingParams | None = None, *,
                  eos_ids: Sequence[int] = (), stats: GenerationStats | None = None,
                  cache: KVCache | None = None) -> Iterator[int]:
@@ -119,12 +130,7 @@ def generate_ids(model, prompt_ids: Sequence[int], max_new_tokens: int, params: 
         raise TypeError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    total = len(ids) + max_new_tokens
-    if total > model.config.max_position_embeddings:
-        raise ValueError(
-            f"max_new_tokens: prompt ({len(ids)}) + max_new_tokens ({max_new_tokens}) exceeds the "
-            f"model's context of {model.config.max_position_embeddings} positions"
-        )
+    _check_fits(len(ids), max_new_tokens, model.config.max_position_embeddings, "the model's context", "prompt_ids")
     params = _check_params(params)
     if isinstance(eos_ids, torch.Tensor):
         eos_ids = eos_ids.reshape(-1).tolist()
@@ -138,9 +144,8 @@ def generate_ids(model, prompt_ids: Sequence[int], max_new_tokens: int, params: 
     if cache is not None:
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a llmu.models.KVCache or None, got {type(cache).__name__}")
-        if cache.length + total > cache.max_len:
-            raise ValueError(f"cache holds max_len={cache.max_len} positions, {cache.length} of them used; "
-                             f"prompt ({len(ids)}) + max_new_tokens ({max_new_tokens}) do not fit")
+        _check_fits(len(ids), max_new_tokens, cache.max_len - cache.length,
+                    f"the cache's free positions (max_len={cache.max_len}, {cache.length} used)", "prompt_ids")
     return _generate_ids(model, ids, max_new_tokens, params, {int(e) for e in eos_ids}, stats, cache)
 
 
@@ -246,6 +251,10 @@ def stream_generate(model, tokenizer, prompt, max_new_tokens: int = 128, *, para
         raise TypeError(f"result must be a dict or None, got {type(result).__name__}")
 
     prompt_ids = prompt_to_ids(tokenizer, prompt, model.config.vocab_size)
+    if isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens >= 0:
+        # named as the caller of generate() named it (generate_ids would say prompt_ids)
+        _check_fits(len(prompt_ids), max_new_tokens, model.config.max_position_embeddings,
+                    "the model's context", "prompt")
     eos_ids: list[int] = []
     if stop_on_eos:
         eos_ids = list(model.config.eos_token_ids)

@@ -33,8 +33,7 @@ import re
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 
-from tokenizers import AddedToken, Tokenizer as _BackendTokenizer
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer as _BackendTokenizer, decoders, models, pre_tokenizers
 
 from llmu.models.gguf_file import GGUFFile
 

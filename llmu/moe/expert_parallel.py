@@ -51,8 +51,8 @@ import torch.nn as nn
 from llmu.checks import require_positive
 from llmu.layers.reference import swiglu
 from llmu.moe import reference
-from llmu.moe.layer import IMPLS, MoEFeedForward
 from llmu.moe.kernels import sort_by_expert
+from llmu.moe.layer import IMPLS, MoEFeedForward
 
 __all__ = ["experts_per_rank", "check_expert_parallel_inputs", "all_to_all", "expert_parallel_moe",
            "ExpertParallelMoE", "demo"]

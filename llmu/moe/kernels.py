@@ -76,8 +76,14 @@ import triton
 import triton.language as tl
 
 from llmu import runtime
-from llmu.checks import (FLOAT_DTYPES, require_positive, require_power_of_two, require_same_device,
-                         require_same_dtype, require_tensor)
+from llmu.checks import (
+    FLOAT_DTYPES,
+    require_positive,
+    require_power_of_two,
+    require_same_device,
+    require_same_dtype,
+    require_tensor,
+)
 from llmu.moe import reference
 
 __all__ = ["permute", "unpermute", "grouped_gemm", "grouped_gemm_dw", "moe_triton", "sort_by_expert", "gather_rows",

@@ -53,11 +53,11 @@ rank sleeps until the action has lasted ``forward_s`` (``backward_s``), an equal
 per-micro-batch cost on every stage that does not compete for cores. The gradients stay real:
 each action computes first, then sleeps what is left of its cost.
 
-Measured on a 2-core machine shared with other work (load average 7 to 12), one-layer stages of
-a tiny Llama: with ``forward_s`` = 20 ms (``backward_s`` = 40 ms) the measured bubble lies 0.00 to
-0.06 above the formula, for ``p`` in {2, 4} and ``m`` in {1, 4, 8}, both schedules (the fixed
-per-action costs lengthen the makespan beyond ``(m + p - 1)(t_f + t_b)``; rarely, a stall of the
-machine adds 0.1 or more). With real compute alone (four layers per stage, no sleep) it lies 0.1
+``llmu bench pipeline_bubble`` measures it (one-layer stages of a tiny Llama, ``forward_s`` =
+20 ms, ``backward_s`` = 40 ms, ``p`` in {2, 4}, ``m`` in {1, 4, 8}, both schedules) beside the load
+average: on a 2-core machine the measured bubble lay 0.00 to 0.06 above the formula at load 3 to 4
+and up to 0.11 above it at load 5.6 (the fixed per-action costs lengthen the makespan beyond
+``(m + p - 1)(t_f + t_b)``, more so on a busy machine). With real compute alone (four layers per stage, no sleep) it lies 0.1
 to 0.2 above the formula and differs from rank to rank: ``F + B`` of one micro-batch took 17 to
 53 ms depending on the rank and on how many ranks computed at once.
 

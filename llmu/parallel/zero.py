@@ -103,8 +103,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from llmu.parallel.data_parallel import (accumulated_steps, broadcast_module, next_token_loss, require_process_group,
-                                         single_process_steps, tensors_in)
+from llmu.parallel.data_parallel import (
+    accumulated_steps,
+    broadcast_module,
+    next_token_loss,
+    require_process_group,
+    single_process_steps,
+    tensors_in,
+)
 from llmu.parallel.ordered_reduce import all_reduce_in_rank_order, check_reduce_order, reduce_scatter_in_rank_order
 from llmu.parallel.sharded_optimizer import _claim, _owner, _release, check_optimizer_class
 

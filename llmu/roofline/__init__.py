@@ -16,10 +16,29 @@
 Course notebook: ``05_prefill_decode``.
 """
 
-from llmu.roofline.measure import (MachineRoof, TokenLatency, gemv_sweep, latency_metrics, measure_machine,
-                                   model_weight_bytes, token_latency)
-from llmu.roofline.model import (DEFAULT_GPUS, Roof, bound, gemm_bytes, gemm_flops, gemm_intensity, gemv_bytes,
-                                 gemv_flops, gemv_intensity, gpu_roofs, ridge_point, roofline)
+from llmu.roofline.measure import (
+    MachineRoof,
+    TokenLatency,
+    gemv_sweep,
+    latency_metrics,
+    measure_machine,
+    model_weight_bytes,
+    token_latency,
+)
+from llmu.roofline.model import (
+    DEFAULT_GPUS,
+    Roof,
+    bound,
+    gemm_bytes,
+    gemm_flops,
+    gemm_intensity,
+    gemv_bytes,
+    gemv_flops,
+    gemv_intensity,
+    gpu_roofs,
+    ridge_point,
+    roofline,
+)
 from llmu.roofline.points import PHASES, phase_of, registry_points
 
 

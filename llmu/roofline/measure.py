@@ -25,6 +25,7 @@ the moment the request starts and ``t_1 .. t_n`` the moments the tokens come out
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import statistics
@@ -118,7 +119,7 @@ def measure_machine(device=None, dtype=torch.float32, budget_s: float = 3.0, mat
         a = torch.randn(matmul_n, matmul_n, generator=g).to(device=device, dtype=dtype)
         b = torch.randn(matmul_n, matmul_n, generator=g).to(device=device, dtype=dtype)
         out = torch.empty(matmul_n, matmul_n, device=device, dtype=dtype)
-        flops, runs_mm = best_rate(lambda: torch.matmul(a, b, out=out), 2.0 * matmul_n**3, device, budget_s / 2)
+        flops, runs_mm = best_rate(functools.partial(torch.matmul, a, b, out=out), 2.0 * matmul_n**3, device, budget_s / 2)
         del a, b, out
         bandwidth, runs_copy, copy_bytes = copy_bandwidth(device, copy_mb, budget_s / 2)
         used_threads = torch.get_num_threads()
@@ -152,7 +153,7 @@ def gemv_sweep(shapes: Sequence[tuple[int, int]] = ((2048, 2048), (4096, 4096), 
                 elem = w.element_size()
                 flops = 2.0 * batch * n * k
                 nbytes = float(elem * (n * k + batch * k + batch * n))
-                rate, _ = best_rate(lambda: torch.nn.functional.linear(x, w), 1.0, device, budget_s)
+                rate, _ = best_rate(functools.partial(torch.nn.functional.linear, x, w), 1.0, device, budget_s)
                 ms = 1e3 / rate
                 rows.append(dict(N=n, K=k, batch=batch, dtype=str(dtype).removeprefix("torch."),
                                  elem_bytes=elem, weight_bytes=n * k * elem, bytes=nbytes, flops=flops,

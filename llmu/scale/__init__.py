@@ -15,15 +15,39 @@ Course notebook: ``15_scale``. There is no Triton kernel in this module: it meas
 what the others built.
 """
 
-from llmu.scale.chinchilla import (HOFFMANN_2022, PUBLISHED_RUNS, TOKENS_PER_PARAMETER, LossFit, TrainedModel,
-                                   compute_optimal, isoflop_losses, rule_of_thumb)
-from llmu.scale.flops import (LLAMA3_8B, LLAMA3_70B, as_shape, attention_share, forward_flops_per_token,
-                              kaplan_attention_flops, matmul_parameters, train_flops_per_token, train_step_flops,
-                              training_flops)
+from llmu.scale.chinchilla import (
+                                   HOFFMANN_2022,
+                                   PUBLISHED_RUNS,
+                                   TOKENS_PER_PARAMETER,
+                                   LossFit,
+                                   TrainedModel,
+                                   compute_optimal,
+                                   isoflop_losses,
+                                   rule_of_thumb,
+)
+from llmu.scale.flops import (
+                                   LLAMA3_8B,
+                                   LLAMA3_70B,
+                                   as_shape,
+                                   attention_share,
+                                   forward_flops_per_token,
+                                   kaplan_attention_flops,
+                                   matmul_parameters,
+                                   train_flops_per_token,
+                                   train_step_flops,
+                                   training_flops,
+)
+
 # The function mfu stays in its module (llmu.scale.mfu.mfu): at package level the name is the module.
 from llmu.scale.mfu import PUBLISHED_MFU, TRAIN_SIZES, PublishedMFU, TrainRun, mfu_from_steps, train_run, train_step
-from llmu.scale.serving import (cost_per_million_tokens, decode_step_seconds, decode_tokens_per_s,
-                                kv_bytes_per_token, prefill_tokens_per_s, weight_bytes)
+from llmu.scale.serving import (
+                                   cost_per_million_tokens,
+                                   decode_step_seconds,
+                                   decode_tokens_per_s,
+                                   kv_bytes_per_token,
+                                   prefill_tokens_per_s,
+                                   weight_bytes,
+)
 
 __all__ = [
     "training_flops", "matmul_parameters", "forward_flops_per_token", "train_flops_per_token", "train_step_flops",

@@ -26,8 +26,8 @@ import torch
 
 from llmu.bench.registry import Entry, Provider, register
 from llmu.checks import require_size
-from llmu.scale.flops import train_step_flops
 from llmu.models import byte_llama_config, make_trainable
+from llmu.scale.flops import train_step_flops
 from llmu.scale.mfu import train_step
 
 __all__ = ["TRAIN_STEP", "SIZE_KEYS", "step_config", "step_flops", "step_setup", "step_adamw"]

@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmu.models import decode_step
-from llmu.models import llama
+from llmu.models import decode_step, llama
 from llmu.models.sampling import SamplingParams, probabilities
 from llmu.spec import reference
 from llmu.spec.drafts import Draft, check_params, rewind

@@ -14,7 +14,7 @@
 
 from llmu.tokenization.bpe import BPETokenizer
 from llmu.tokenization.byte_alphabet import bytes_to_token, bytes_to_unicode, token_to_bytes
-from llmu.tokenization.pretokenize import (GPT2_PATTERN, pretokenize_gpt2, pretokenize_smollm2, split_special_tokens)
+from llmu.tokenization.pretokenize import GPT2_PATTERN, pretokenize_gpt2, pretokenize_smollm2, split_special_tokens
 from llmu.tokenization.smollm2 import smollm2_tokenizer, smollm2_vocab_merges
 from llmu.tokenization.train_bpe import count_words, initial_vocab, train_bpe, train_bpe_from_file
 

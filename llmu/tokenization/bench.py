@@ -34,9 +34,9 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 
+from llmu import data
 from llmu.bench.paired import interleave, timed
 from llmu.bench.registry import Entry, register
-from llmu import data
 from llmu.tokenization.byte_alphabet import merge_to_bytes
 from llmu.tokenization.train_bpe import train_bpe
 

@@ -41,8 +41,7 @@ import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from llmu.tokenization.byte_alphabet import bytes_to_token, merge_to_bytes, token_to_bytes
-from llmu.tokenization.pretokenize import (Pretokenizer, _check_special_tokens, pretokenize_gpt2,
-                                           split_special_tokens)
+from llmu.tokenization.pretokenize import Pretokenizer, _check_special_tokens, pretokenize_gpt2, split_special_tokens
 
 __all__ = ["BPETokenizer"]
 

@@ -26,7 +26,7 @@ def smollm2_vocab_merges(path: str | os.PathLike | None = None
     """``(vocab, merges, special_tokens)`` of the GGUF file at ``path`` (the course's SmolLM2 file
     by default): ids -> bytes, merges as pairs of bytes in rank order, the special tokens' text."""
     from llmu.models.gguf_file import GGUFFile  # reads the file with the gguf package
-    from llmu.models.tokenizer import CONTROL    # llama.cpp's token type for special (control) tokens
+    from llmu.models.tokenizer import CONTROL  # llama.cpp's token type for special (control) tokens
 
     with (GGUFFile() if path is None else GGUFFile(path)) as f:
         if f.get("tokenizer.ggml.model") != "gpt2":

@@ -36,8 +36,14 @@ import torch.nn as nn
 
 from llmu.checks import require_positive
 from llmu.training.cross_entropy import chunked_cross_entropy
-from llmu.training.loop import (TokenWindows, TrainConfig, Trainer, adamw_param_groups, optimizer_update,
-                                warmup_cosine_scheduler)
+from llmu.training.loop import (
+    TokenWindows,
+    TrainConfig,
+    Trainer,
+    adamw_param_groups,
+    optimizer_update,
+    warmup_cosine_scheduler,
+)
 from llmu.training.sft import IGNORE_INDEX, build_sft_example, collate_sft
 
 __all__ = ["ALL_PROJECTIONS", "batch_order", "dpo_lora", "final_hidden_states", "greedy_answers",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-import plotly.graph_objects as go
 import plotly.express as px
+import plotly.graph_objects as go
 
 __all__ = ["program_map", "program_map_figure"]
 

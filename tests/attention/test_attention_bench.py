@@ -46,4 +46,4 @@ def test_providers_agree_on_the_smallest_cpu_size(name, kdev):
     ref = outs["llmu torch"]
     for pname, out in outs.items():
         # fp32 throughout; only the order of the sums differs between providers.
-        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5, msg=lambda m: f"{pname}: {m}")
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5, msg=lambda m, pname=pname: f"{pname}: {m}")

@@ -19,8 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import llmu  # noqa: F401
 import llmu.flash  # noqa: F401  (registers the "flash" and "flash_torch" backends)

@@ -17,8 +17,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import llmu  # noqa: F401  (sets the Triton mode before triton is imported)
 from llmu.attention import kernels, reference

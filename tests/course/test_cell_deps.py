@@ -131,3 +131,72 @@ def test_a_name_bound_inside_an_if_is_still_read_from_outside_after_it():
                "data = my_fn(1)",
                "if len('ab') > 5:\n    data = 0\nprint(data)"]   # data may still be the learner's here
     assert _skipped(sources, answers=[0]) == set()
+
+
+# ---------------------------------------------------------------------------------------------
+# statements that read and bind at once, or bind from elsewhere: each can hide a reader of the
+# learner's result if the analysis gets it wrong (the cell would then be left out of the check)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_augmented_assignment_reads_the_name_before_binding_it():
+    sources = [STUB,
+               "total = my_fn(1)",          # tainted
+               "total += 1\nprint(total)",  # reads the learner's total, then rebinds it
+               "count = 0\ncount += 1"]     # binds count first: reads nothing from outside
+    assert _skipped(sources, answers=[0]) == {3}
+
+
+def test_augmented_assignment_to_an_attribute_or_item_reads_the_object():
+    sources = [STUB,
+               "stats = {'n': my_fn(1)}",
+               "stats['n'] += 1",
+               "print(stats)"]
+    assert _skipped(sources, answers=[0]) == set()
+
+
+def test_the_walrus_binds_its_name_for_the_cells_after_it():
+    sources = [STUB,
+               "if (best := my_fn(1)) > 0:\n    pass",   # binds best from the learner's code
+               "print(best)"]
+    assert _skipped(sources, answers=[0]) == set()
+
+
+def test_a_walrus_inside_a_comprehension_binds_in_the_cell():
+    sources = [STUB,
+               "ys = [last := my_fn(i) for i in range(3)]",
+               "print(last)"]
+    assert _skipped(sources, answers=[0]) == set()
+
+
+def test_del_changes_what_a_later_running_cell_sees():
+    """``del x`` unbinds x: a running cell that reads x must see it deleted, as it was in the
+    instructor's run, so the cell that deletes it runs too."""
+    sources = ["x = 1",
+               "del x",
+               STUB,
+               "try:\n    x\nexcept NameError:\n    x = 0\nassert my_fn(x) == 0"]
+    assert _skipped(sources, answers=[2], tests=[3]) == set()
+
+
+def test_del_of_an_unrelated_name_is_left_out():
+    sources = ["tmp = 1\ndel tmp", STUB, "assert my_fn(1) == 2"]
+    assert _skipped(sources, answers=[1], tests=[2]) == {0}
+
+
+def test_global_inside_a_function_binds_the_name_for_the_cells_after_the_call():
+    sources = [STUB,
+               "def reset():\n    global total\n    total = my_fn(0)",   # binds total when called
+               "reset()",
+               "print(total)"]                                            # the learner's total
+    assert _skipped(sources, answers=[0]) == set()
+
+
+def test_global_inside_a_function_without_the_learners_code_still_orders_the_cells():
+    """The function binds ``level`` at module scope: a test cell that reads ``level`` needs the cell
+    that defines the function (and the call) to have run."""
+    sources = ["def setup():\n    global level\n    level = 3",
+               "setup()",
+               STUB,
+               "assert my_fn(level) == 6"]
+    assert _skipped(sources, answers=[2], tests=[3]) == set()

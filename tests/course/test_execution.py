@@ -28,7 +28,6 @@ import pytest
 
 from llmu import course
 
-
 pytestmark = [pytest.mark.slow, pytest.mark.notebooks]
 
 ROOT = course.repo_root()

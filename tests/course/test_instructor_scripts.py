@@ -14,9 +14,16 @@ Three students:
   stub ``bob_lee_99_fixture.ipynb`` that collect must not keep) -> 2: the hidden test fails;
 * ``cy`` the untouched stub, in a zip with a folder per student -> 0.
 
-The CSV must hold those scores, and no line of a hidden test may appear anywhere in the feedback
-HTML, although bob's failing hidden test raised inside it. Nothing the round writes may be left
-for git to pick up, and no output folder may collide with a script (autograder/feedback is one).
+Every notebook also ends with a cell of the student's own that shows a plotly figure (as a
+benchmark cell does). A second assignment, ``98_unsubmitted``, is released with the first but
+nobody hands it in.
+
+The CSV must hold those scores, and no row of the assignment nobody handed in; no line of a
+hidden test may appear anywhere in the feedback HTML, although bob's failing hidden test raised
+inside it, and each page says where the figure is instead of dropping it with a warning. The
+autograde summary gives the first line of each failed test's message. Nothing the round writes
+may be left for git to pick up, and no output folder may collide with a script
+(autograder/feedback is one).
 """
 
 from __future__ import annotations
@@ -41,6 +48,12 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "autograder"
 FIXTURE = Path(__file__).parent / "fixtures" / "99_fixture"
 AID = "99_fixture"
+#: Released with AID, handed in by nobody.
+UNSUBMITTED = "98_unsubmitted"
+#: A cell a student adds: a plotly figure, which a kernel without a browser shows as plotly's JSON only.
+FIGURE_CELL = ('import plotly.graph_objects as go\n'
+               'go.Figure(go.Bar(x=[1, 2], y=[3, 4]), layout={"title": {"text": "my bars<br><sup>per call</sup>"}}).show()')
+FIGURE_NOTE = 'Interactive figure "my bars - per call": not drawn on this page; open the notebook in JupyterLab to see it.'
 NAMES = ("release", "collect", "autograde", "feedback", "export")
 #: What a clone's autograder/ holds (git-tracked), copied into the temporary checkout.
 TRACKED = (*NAMES, "_common.py", "nbgrader_config.py", "README.md")
@@ -150,14 +163,18 @@ def test_leak_check_reads_rendered_html():
 @pytest.fixture(scope="module")
 def course_round(tmp_path_factory):
     root = make_checkout(tmp_path_factory.mktemp("clone"))
+    other = root / "solutions" / UNSUBMITTED
+    other.mkdir()
+    shutil.copy(root / "solutions" / AID / f"{AID}.ipynb", other / f"{UNSUBMITTED}.ipynb")
     git = shutil.which("git") is not None
     if git:
         subprocess.run(["git", "init", "-q"], cwd=root, check=True, timeout=60)
     before = _git_untracked(root) if git else None
     t0 = time.perf_counter()
-    out = {"root": root, "release": _run(root, "release", AID)}
+    out = {"root": root, "release": _run(root, "release")}  # every assignment, as at the start of a term
 
     stub = nbformat.read(str(root / "course" / AID / f"{AID}.ipynb"), as_version=4)
+    stub.cells.append(nbformat.v4.new_code_cell(FIGURE_CELL))
     solution = nbformat.read(str(root / "solutions" / AID / f"{AID}.ipynb"), as_version=4)
     answers = {course.nbgrader_meta(c)["grade_id"]: course.answer_from_solution(c.source)
                for c in solution.cells if course.is_solution(c)}
@@ -187,7 +204,9 @@ def course_round(tmp_path_factory):
                                      "--root", str(root)], capture_output=True, text=True, timeout=600,
                                     cwd=downloads, env=shell_env(root.parent))
     out["collect"] = _run(root, "collect", AID, downloads)
-    out["autograde"] = _run(root, "autograde", AID, "--timeout", 20)
+    # A terminal 200 columns wide (pytest-xdist's workers have COLUMNS=80), so that the summary's
+    # messages are not trimmed.
+    out["autograde"] = _run(root, "autograde", AID, "--timeout", 20, env={**shell_env(root.parent), "COLUMNS": "200"})
     out["feedback"] = _run(root, "feedback", AID)
     out["export"] = _run(root, "export", "--to", "grades.csv")
     out["seconds"] = time.perf_counter() - t0
@@ -227,6 +246,23 @@ def test_export_holds_the_scores(course_round):
 
 @pytest.mark.slow
 @pytest.mark.notebooks
+def test_export_leaves_out_what_nobody_handed_in(course_round):
+    root = course_round["root"]
+    with open(root / "autograder" / "grades.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["assignment"], r["student_id"], r["submitted"]) for r in rows] == [
+        (AID, "ada", "yes"), (AID, "bob_lee", "yes"), (AID, "cy", "yes")], rows
+    assert f"left out 1 assignment(s) nobody has handed in ({UNSUBMITTED})" in course_round["export"].stdout
+    _run(root, "export", "--to", "every.csv", "--all-assignments")
+    with open(root / "autograder" / "every.csv", newline="") as f:
+        every = list(csv.DictReader(f))
+    assert sorted((r["student_id"], r["score"], r["submitted"]) for r in every if r["assignment"] == UNSUBMITTED) == [
+        ("ada", "0.0", "no"), ("bob_lee", "0.0", "no"), ("cy", "0.0", "no")], every
+    assert [r for r in every if r["assignment"] == AID] == rows
+
+
+@pytest.mark.slow
+@pytest.mark.notebooks
 def test_feedback_never_shows_hidden_tests(course_round):
     root = course_round["root"]
     hidden = _common.hidden_test_lines(root, AID)
@@ -243,6 +279,21 @@ def test_feedback_never_shows_hidden_tests(course_round):
 
 @pytest.mark.slow
 @pytest.mark.notebooks
+def test_feedback_says_where_a_figure_is(course_round):
+    """A plotly figure reaches the autograded notebook as plotly's JSON alone, which nbconvert
+    cannot put on a page: the page says where the figure is, and nothing warns."""
+    root = course_round["root"]
+    graded = nbformat.read(str(root / "autograder" / "autograded" / "ada" / AID / f"{AID}.ipynb"), as_version=4)
+    figure = [o for o in graded.cells[-1].outputs if o.get("output_type") == "display_data"]
+    assert [sorted(o.data) for o in figure] == [["application/vnd.plotly.v1+json"]], graded.cells[-1].outputs
+    assert "not able to be represented" not in course_round["feedback"].stderr, course_round["feedback"].stderr
+    for student in ("ada", "bob_lee", "cy"):
+        page = (root / "autograder" / "feedback_html" / student / AID / f"{AID}.html").read_text(encoding="utf-8")
+        assert FIGURE_NOTE in " ".join(_common.visible_text(page).split()), student
+
+
+@pytest.mark.slow
+@pytest.mark.notebooks
 def test_autograde_shows_progress_and_a_summary(course_round):
     err, out = course_round["autograde"].stderr, course_round["autograde"].stdout
     for student, score in (("ada", "5 / 5"), ("bob_lee", "2 / 5"), ("cy", "0 / 5")):
@@ -253,6 +304,13 @@ def test_autograde_shows_progress_and_a_summary(course_round):
     assert sorted(st for _, gid, st in cells if gid == "test_reciprocal") == ["failed", "failed", "passed"], err
     assert "running over TCP" not in err, "the kernel's start-up warning is back"
     assert re.search(r"Graded 3 submission\(s\) in (\d+ min )?\d+ s: 3 completed, 0 failed\.", out), out
+    # Each test that lost points, with the first line of its message (the check's own words).
+    assert "Points lost" in out, out
+    lost = [ln.split(None, 5) for ln in out.split("Points lost", 1)[1].split("\n\n")[0].splitlines()[1:]]
+    assert [w[:5] for w in lost] == [["bob_lee", "test_reciprocal", "0", "/", "3"], ["cy", "test_double", "0", "/", "2"],
+                                     ["cy", "test_reciprocal", "0", "/", "3"]], out
+    assert lost[0][5] == "reciprocal(0) raises: raised ZeroDivisionError(float division by zero) instead of ValueError", out
+    assert lost[1][5] == lost[2][5] == "not answered yet (NotImplementedError)", out
 
 
 @pytest.mark.slow

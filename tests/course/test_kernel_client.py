@@ -1,17 +1,19 @@
 """The kernel client every notebook run uses waits for replies in short slices
 (``llmu.kernel_client``), and nbgrader's validate and autograde get it through the course's
-configuration."""
+configuration. The slicing is checked on a clock the test moves (each wait of the fake channel
+advances it), not on the machine's: how many slices fit and when the deadline falls are then
+exact, whatever the load."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from queue import Empty
 
 import nbformat
+import pytest
 
-from llmu import course
+from llmu import course, kernel_client
 from llmu.kernel_client import SlicedPollKernelClient, poll_in_slices
 
 
@@ -34,43 +36,63 @@ def _run(coroutine):
     return result["value"]
 
 
-class _Channel:
-    """A channel whose message arrives after ``ready_after`` seconds; each get_msg call returns it
-    only if it has arrived, after waiting at most its own timeout (as a zmq poll does when it does
-    see the socket)."""
+class _Clock:
+    """The monotonic clock ``poll_in_slices`` reads, moved only by the channel's waits: what the
+    tests check then does not depend on how busy the machine is."""
 
-    def __init__(self, ready_after: float):
-        self.ready_at = time.monotonic() + ready_after
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+class _Channel:
+    """A channel whose message arrives at ``ready_at`` on ``clock``; each get_msg call returns it
+    only if it has arrived, after waiting at most its own timeout (as a zmq poll does when it does
+    see the socket). Waiting moves the clock forward instead of sleeping."""
+
+    def __init__(self, clock: _Clock, ready_at: float):
+        self.clock, self.ready_at = clock, ready_at
         self.timeouts: list[float] = []
 
     async def get_msg(self, timeout=None):
         self.timeouts.append(timeout)
-        wait = max(0.0, self.ready_at - time.monotonic())
+        await asyncio.sleep(0)          # a real await: the coroutine yields to the event loop
+        wait = max(0.0, self.ready_at - self.clock.now)
         if timeout is not None and wait > timeout:
-            await asyncio.sleep(timeout)
+            self.clock.now += timeout
             raise Empty
-        await asyncio.sleep(wait)
+        self.clock.now += wait
         return {"msg_type": "execute_reply"}
 
 
-def test_waits_in_slices_until_the_message_comes():
-    channel = _Channel(ready_after=0.3)
-    poll_in_slices(channel, slice_s=0.05)
+@pytest.fixture
+def clock(monkeypatch):
+    fake = _Clock()
+    monkeypatch.setattr(kernel_client, "time", fake)
+    return fake
+
+
+# Slices and times are binary fractions (1/16 s, 5/16 s, 7/32 s), so the clock's sums are exact.
+SLICE_S = 0.0625
+
+
+def test_waits_in_slices_until_the_message_comes(clock):
+    channel = _Channel(clock, ready_at=0.3125)
+    poll_in_slices(channel, slice_s=SLICE_S)
     assert _run(channel.get_msg(timeout=5)) == {"msg_type": "execute_reply"}
-    assert len(channel.timeouts) > 3 and max(channel.timeouts) <= 0.05
+    # four empty slices, then the one in which the message came; returned as soon as it came
+    assert channel.timeouts == [SLICE_S] * 5 and clock.now == 0.3125
 
 
-def test_still_times_out_at_the_callers_deadline():
-    channel = _Channel(ready_after=10)
-    poll_in_slices(channel, slice_s=0.05)
-    t0 = time.monotonic()
-    try:
-        _run(channel.get_msg(timeout=0.2))
-    except Empty:
-        pass
-    else:
-        raise AssertionError("get_msg returned before the message was there")
-    assert 0.19 <= time.monotonic() - t0 < 1.0
+def test_still_times_out_at_the_callers_deadline(clock):
+    channel = _Channel(clock, ready_at=10)
+    poll_in_slices(channel, slice_s=SLICE_S)
+    with pytest.raises(Empty):
+        _run(channel.get_msg(timeout=0.21875))
+    # three whole slices and the part of one left before the deadline: neither earlier nor later
+    assert channel.timeouts == [SLICE_S] * 3 + [0.03125] and clock.now == 0.21875
 
 
 def test_nbgrader_execution_uses_the_sliced_client():

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import llmu  # noqa: F401  (sets the Triton mode before triton is imported)
 from llmu.embeddings import (

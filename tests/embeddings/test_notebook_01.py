@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import math
 
-import llmu  # noqa: F401  (Triton mode first: the exercise kernel is defined below)
 import torch
+
+import llmu  # noqa: F401  (Triton mode first: the exercise kernel is defined below)
 from llmu import course
 
 NOTEBOOK = course.repo_root() / "solutions" / "01_embeddings" / "01_embeddings.ipynb"

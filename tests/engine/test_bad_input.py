@@ -14,8 +14,7 @@ import torch
 
 from llmu.engine import LLMEngine, SamplingParams
 from llmu.engine.chat import chat
-from llmu.models import SamplingParams as ModelSamplingParams
-from llmu.models import tiny_llama
+from llmu.models import SamplingParams as ModelSamplingParams, tiny_llama
 
 VOCAB = 97
 

@@ -24,8 +24,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from llmu.engine import LLMEngine, SamplingParams, timeline
 from llmu.models import LlamaModel, tiny_llama

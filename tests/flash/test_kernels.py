@@ -13,12 +13,10 @@ gradients, which sum Tq terms), 11 for fp16.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from llmu import runtime
 from llmu.attention.reference import attention, causal_mask

@@ -15,10 +15,9 @@ import math
 
 import pytest
 
-from llmu.data import json as shipped_json
-from llmu.data import text
+from llmu.data import json as shipped_json, text
 from llmu.gqa import precompute
-from llmu.models import load_tokenizer   # the tokenizer only (GGUF metadata), not the weights
+from llmu.models import load_tokenizer  # the tokenizer only (GGUF metadata), not the weights
 from llmu.models.perplexity import windows
 
 # The live sample: the model as shipped, and a conversion (pooling half the layers) whose window

@@ -9,7 +9,6 @@ from llmu.attention import reference as attn_ref
 from llmu.gqa import reference as R
 from llmu.layers.reference import apply_rope, rope_angles
 
-
 # -- pooling ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n_kv, new, d_in, head_dim", [(3, 1, 576, 64), (8, 2, 16, 4), (4, 4, 5, 3), (6, 3, 7, 2)])

@@ -49,7 +49,7 @@ def test_providers_agree(name, kdev):
         assert len(out) == len(first), label
         for a, b in zip(out, first):
             # fp32 on both sides; sums in a different order (dw over 37 rows): 1e-4.
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}/{label}: {m}")
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, name=name, label=label: f"{name}/{label}: {m}")
 
 
 def test_formulas():

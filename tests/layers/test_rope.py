@@ -13,8 +13,7 @@ cos/sin tables are computed on the CPU (float64 angles, the same values on every
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import llmu  # noqa: F401
 from llmu.layers import reference
@@ -109,8 +108,10 @@ def test_position_zero_is_identity_and_norms_are_kept():
     cos, sin = _angles(torch.arange(9, device=KDEV), 64)
     rope(q, k, cos, sin)
     torch.testing.assert_close(q[:, :, 0], q0[:, :, 0])  # angle 0: cos 1, sin 0
+    torch.testing.assert_close(k[:, :, 0], k0[:, :, 0])
     # A rotation keeps every pair's length, so each head vector keeps its norm.
     torch.testing.assert_close(q.norm(dim=-1), q0.norm(dim=-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k.norm(dim=-1), k0.norm(dim=-1), rtol=1e-5, atol=1e-5)
 
 
 def test_strided_views_are_rotated_where_they_lie():

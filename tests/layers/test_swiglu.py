@@ -14,8 +14,7 @@ references run on the same tensors.
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import llmu  # noqa: F401
 from llmu.layers import reference

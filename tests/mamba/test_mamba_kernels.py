@@ -24,8 +24,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmu.mamba import kernels as K
-from llmu.mamba import reference as R
+from llmu.mamba import kernels as K, reference as R
 
 pytestmark = pytest.mark.kernels
 

@@ -17,8 +17,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from llmu.mamba import reference as R
 
@@ -143,7 +142,7 @@ def test_parallel_gradients_equal_sequential(make_case, form, method):
         grads.append([case[n].grad for n in names])
     for name, gs, gp in zip(names, *grads):
         assert gs is not None and gp is not None, name
-        torch.testing.assert_close(gp, gs, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(gp, gs, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
 # -- the decode step -------------------------------------------------------------------------------------

@@ -31,8 +31,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmu.mamba import kernels as K
-from llmu.mamba import reference as R
+from llmu.mamba import kernels as K, reference as R
 from llmu.mamba.block import MambaLM
 
 pytestmark = pytest.mark.kernels

@@ -74,8 +74,30 @@ def test_generate_ids_checks_its_other_arguments_at_the_call(model):
         generate_ids(model, [1, 2], 3, stats={})
     with pytest.raises(TypeError, match="cache must be a llmu.models.KVCache or None, got dict"):
         generate_ids(model, [1, 2], 3, cache={})
-    with pytest.raises(ValueError, match="cache holds max_len=4 positions, 0 of them used"):
+    with pytest.raises(ValueError, match=r"max_new_tokens: prompt \(2\) \+ max_new_tokens \(3\) exceeds the "
+                                         r"cache's free positions \(max_len=4, 0 used\) of 4 positions; "
+                                         r"at most 2 new tokens fit"):
         generate_ids(model, [1, 2], 3, cache=KVCache.for_model(model, max_len=4))
+
+
+def test_a_prompt_too_long_by_itself_is_named_not_max_new_tokens(model):
+    """The argument at fault is the prompt when it alone exceeds the context (or the cache), whatever
+    max_new_tokens is; each function names it as its caller wrote it."""
+    long = [1] * 130                                   # the tiny model's context is 128
+    with pytest.raises(ValueError, match=r"^prompt_ids: the prompt alone holds 130 tokens, more than the "
+                                         r"model's context of 128 positions"):
+        generate_ids(model, long, 5)
+    with pytest.raises(ValueError, match=r"^prompt: the prompt alone holds 130 tokens"):
+        generate(model, None, long, 5)
+    with pytest.raises(ValueError, match=r"^prompt: the prompt alone holds 130 tokens"):
+        stream_generate(model, None, long, 0)
+    with pytest.raises(ValueError, match=r"^max_new_tokens: prompt \(120\) \+ max_new_tokens \(9\) exceeds "
+                                         r"the model's context of 128 positions; at most 8 new tokens fit"):
+        generate(model, None, [1] * 120, 9)
+    assert len(generate(model, None, [1] * 120, 8, stop_on_eos=False).ids) == 8      # exactly full is fine
+    with pytest.raises(ValueError, match=r"^prompt_ids: the prompt alone holds 5 tokens, more than the "
+                                         r"cache's free positions \(max_len=4, 0 used\) of 4 positions"):
+        generate_ids(model, [1] * 5, 0, cache=KVCache.for_model(model, max_len=4))
 
 
 @pytest.mark.parametrize("field, value, match", [

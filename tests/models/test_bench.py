@@ -12,8 +12,7 @@ import torch
 import llmu  # noqa: F401
 from llmu.bench.cli import ratio_note
 from llmu.bench.registry import load_all
-from llmu.models import LlamaConfig, LlamaModel, loading, tiny_llama
-from llmu.models import bench as models_bench
+from llmu.models import LlamaConfig, LlamaModel, bench as models_bench, loading, tiny_llama
 from llmu.models.generate import generate_ids
 
 

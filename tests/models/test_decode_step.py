@@ -72,7 +72,7 @@ def test_one_token_and_a_few_tokens_give_the_modules_logits(name, pack):
     for ids, (want, got) in zip(feeds, pairs):
         assert got.shape == want.shape == (len(ids), model.config.vocab_size)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4,
-                                   msg=lambda m: f"{len(ids)} token(s) after the prompt: {m}")
+                                   msg=lambda m, ids=ids: f"{len(ids)} token(s) after the prompt: {m}")
     assert fast.length == ref.length == 8 + sum(map(len, feeds))
     for layer in range(model.config.num_hidden_layers):  # the step stored the same keys and values
         for a, b in ((ref.k[layer], fast.k[layer]), (ref.v[layer], fast.v[layer])):

@@ -11,8 +11,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import llmu  # noqa: F401  (sets the Triton mode first)
 from llmu.models import kernels, quants

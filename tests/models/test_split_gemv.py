@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from llmu.bench.machine import Threads as threads  # torch's threads for a block, restored after
 from llmu.models import llama
 from llmu.models.llama import Linear, _gemv_blocks, tiny_llama
-from llmu.bench.machine import Threads as threads  # torch's threads for a block, restored after
 
 
 @contextlib.contextmanager

@@ -23,8 +23,8 @@ import torch
 from llmu import cache as llmu_cache
 from llmu.models import loading, weight_cache
 from llmu.models.gguf_file import GGUFFile
-from llmu.models.loading import build_from_gguf, hf_name, load_weights, permute_rope_rows
 from llmu.models.llama import tiny_llama
+from llmu.models.loading import build_from_gguf, hf_name, load_weights, permute_rope_rows
 from llmu.models.weight_cache import WeightCacheWarning
 
 REPO = Path(__file__).resolve().parents[2]
@@ -378,7 +378,7 @@ def test_two_processes_writing_at_once_leave_one_good_file(cache, tiny, tmp_path
     time.sleep(0.5)
     go.touch()
     outs = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err
     assert [out.split()[:3] for out, _ in outs] == [["temporaries", "2", "gguf"]] * 2  # both wrote at once
     assert outs[0][0].split()[3] == outs[1][0].split()[3]  # and loaded the same weights

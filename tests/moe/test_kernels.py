@@ -26,12 +26,10 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import llmu  # noqa: F401
-from llmu.moe import kernels as K
-from llmu.moe import reference as R
+from llmu.moe import kernels as K, reference as R
 from llmu.moe.layer import MoEFeedForward
 from llmu.runtime import kernel_device
 

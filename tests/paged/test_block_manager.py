@@ -8,11 +8,9 @@ cache points only at blocks that carry its hash.
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from llmu.paged import BlockManager, NoFreeBlocks
-from llmu.paged import block_manager as bm_mod
+from llmu.paged import BlockManager, NoFreeBlocks, block_manager as bm_mod
 
 
 def prompt(n, start=0):

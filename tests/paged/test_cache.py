@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmu.paged import cache as cache_mod
-from llmu.paged import reference
+from llmu.paged import cache as cache_mod, reference
 from llmu.paged.cache import DecodeIndex, PagedKVCache
 
 ATOL = 2e-5

@@ -98,7 +98,7 @@ def test_figure_draws_the_state(events):
         texts = " ".join(a.text for a in fig.layout.annotations if a.text)
         for seq in tables:
             assert f"<b>{seq}</b>" in texts
-        for b, r in enumerate(e.snapshot["ref_counts"]):
+        for r in e.snapshot["ref_counts"]:
             if r > 1:
                 assert f"×{r}" in texts
 

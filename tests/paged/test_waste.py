@@ -13,8 +13,7 @@ from __future__ import annotations
 import statistics
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from llmu.paged import waste
 from llmu.paged.waste import POLICIES, Request, simulate, workload

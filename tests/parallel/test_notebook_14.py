@@ -9,7 +9,6 @@ course-wide notebook tests.
 
 from __future__ import annotations
 
-
 import llmu  # noqa: F401
 from llmu import course
 from llmu.moe.params import count_parameters

@@ -356,8 +356,8 @@ def _any_optimizer(rank, world):
             out["refused"][stage] = str(e)
         zero.reduce_gradients()                         # every rank completes the collectives of this backward
         if stage == 1:                                  # a parameter lives in one flat buffer only
-            for again in (lambda: ShardedOptimizer(zero.parameters(), torch.optim.SGD, lr=0.1),
-                          lambda: Z.ZeRO(zero.module, 2)):
+            for again in (lambda: ShardedOptimizer(zero.parameters(), torch.optim.SGD, lr=0.1),  # noqa: B023
+                          lambda: Z.ZeRO(zero.module, 2)):                                     # noqa: B023
                 try:
                     again()
                     out["sharded twice"].append(None)
@@ -560,7 +560,7 @@ def _exact(rank, world):
     out["sharded optimizer"] = diffs
     # the backend's own order is still there, and close
     zero = Z.ZeRO(_model(), 3, lr=LR, reduce_order="collective")
-    for step in range(STEPS):
+    for _ in range(STEPS):
         zero.zero_grad()
         next_token_loss(zero, batches[rank]).backward()
         zero.step()

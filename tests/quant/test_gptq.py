@@ -26,8 +26,7 @@ import copy
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import llmu  # noqa: F401
 from llmu.models import tiny_llama

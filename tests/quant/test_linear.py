@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import llmu  # noqa: F401
-from llmu.models import GGUFFile, Linear
-from llmu.models import quants
+from llmu.models import GGUFFile, Linear, quants
 from llmu.quant.formats import QuantizedTensor, dequantize, from_gguf, quantize
 from llmu.quant.linear import QuantLinear, int8pack_available
 

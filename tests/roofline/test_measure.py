@@ -1,30 +1,65 @@
-"""measure_machine, the GEMV sweep, token_latency and latency_metrics on the real model."""
+"""measure_machine, the GEMV sweep, token_latency and latency_metrics on the real model.
+
+No test bounds how long a measurement took (that depends on the load of the machine): that the
+budget bounds measure_machine's timed loops is checked on a clock the test moves itself."""
 
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
 
 import llmu  # noqa: F401
+from llmu.bench import machine
 from llmu.roofline import gemv_sweep, latency_metrics, measure_machine, model_weight_bytes, token_latency
 
+MAX_RUNS = 1000        # llmu.bench.machine.best_rate stops after this many timed runs
 
-def test_measure_machine_is_quick_and_positive():
-    start = time.perf_counter()
+
+def test_measure_machine_is_positive_and_consistent():
     m = measure_machine(budget_s=1.0, matmul_n=256, copy_mb=16)
-    elapsed = time.perf_counter() - start
-    # The budget bounds the timed loops; allocation and the warm-up calls add a little.
-    assert elapsed < 5.0
     assert m.peak_flops > 1e8 and m.bandwidth > 1e8        # any CPU of this century beats 0.1 G/s
     assert m.ridge == pytest.approx(m.peak_flops / m.bandwidth)
     assert m.copy_bytes == 16 * 2**20 and m.runs_matmul >= 3 and m.runs_copy >= 3
+    # the loops stop at the budget or at their cap of runs, whichever comes first: never unbounded
+    assert m.runs_matmul <= MAX_RUNS and m.runs_copy <= MAX_RUNS and m.seconds > 0
     roof = m.roof()
     assert roof.source == "measured" and roof.peak_flops == m.peak_flops
     assert "GFLOP/s" in str(m) and set(m.as_dict()) >= {"peak_flops", "bandwidth", "ridge"}
     assert torch.get_num_threads() >= 1
+
+
+class _Clock:
+    """A clock that advances ``tick`` seconds each time it is read, whatever the machine does."""
+
+    def __init__(self, tick: float):
+        self.now, self.tick = 0.0, tick
+
+    def perf_counter(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+def test_the_budget_bounds_the_timed_loops(monkeypatch):
+    """How many runs the budget allows, on a clock the test controls (not the machine's, whose speed
+    depends on its load). A timed run reads the clock twice (start, end), plus once for the budget
+    check after the first three runs: each run costs 2 or 3 ticks, so a roof's half of the budget,
+    ``half`` ticks, allows between ``half / 3`` and ``half / 2 + 1`` runs. Every run lasts exactly
+    one tick, which gives the rates exactly."""
+    tick = 2.0**-10                             # a power of two: the clock's sums are exact
+    monkeypatch.setattr(machine, "time", _Clock(tick))
+    budget = 2.0
+    m = measure_machine(budget_s=budget, matmul_n=64, copy_mb=1)
+    half = budget / 2 / tick                    # each roof's share of the budget, in ticks
+    for runs in (m.runs_matmul, m.runs_copy):
+        assert half / 3 <= runs <= half / 2 + 1
+    assert m.peak_flops == 2 * 64**3 / tick
+    assert m.bandwidth == 2 * m.copy_bytes / tick
+    # a budget too large for the cap: the loops stop at MAX_RUNS runs
+    monkeypatch.setattr(machine, "time", _Clock(2.0**-20))
+    capped = measure_machine(budget_s=budget, matmul_n=16, copy_mb=1)
+    assert capped.runs_matmul == capped.runs_copy == MAX_RUNS
 
 
 def test_measure_machine_restores_threads():

@@ -8,12 +8,22 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import llmu  # noqa: F401
-from llmu.roofline import (Roof, bound, gemm_bytes, gemm_flops, gemm_intensity, gemv_bytes, gemv_flops,
-                           gemv_intensity, gpu_roofs, ridge_point, roofline)
+from llmu.roofline import (
+    Roof,
+    bound,
+    gemm_bytes,
+    gemm_flops,
+    gemm_intensity,
+    gemv_bytes,
+    gemv_flops,
+    gemv_intensity,
+    gpu_roofs,
+    ridge_point,
+    roofline,
+)
 
 
 def test_gemm_by_hand():

@@ -68,7 +68,7 @@ def test_sampling_is_exact_at_the_sequence_level():
     counts = torch.zeros(6, 6)
     g = torch.Generator().manual_seed(0)
     rates = []
-    for i in range(3000):
+    for _ in range(3000):
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=g))
         out = speculative_generate(model, draft, prompt, 2, gamma=2, params=SamplingParams(temperature=1.0, seed=seed))
         counts[out.tokens[0], out.tokens[1]] += 1

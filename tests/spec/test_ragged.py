@@ -33,8 +33,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from llmu import runtime
 from llmu.spec import kernels, reference

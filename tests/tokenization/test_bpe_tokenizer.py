@@ -9,12 +9,10 @@ import itertools
 import tracemalloc
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from llmu.tokenization import BPETokenizer, bytes_to_token, train_bpe
-
 from llmu.tokenization.bench import shipped_texts
 
 EOT, DOUBLE = "<|endoftext|>", "<|endoftext|><|endoftext|>"

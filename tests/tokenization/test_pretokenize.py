@@ -9,15 +9,19 @@ import sys
 import unicodedata
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from tokenizers import pre_tokenizers
 
 from llmu.tokenization import byte_alphabet
-from llmu.tokenization.pretokenize import (GPT2_PATTERN, WHITE_SPACE, _unicode_classes, gpt2_regex, pretokenize_gpt2,
-                                           pretokenize_smollm2, split_special_tokens)
-
 from llmu.tokenization.bench import shipped_texts
+from llmu.tokenization.pretokenize import (
+    GPT2_PATTERN,
+    WHITE_SPACE,
+    _unicode_classes,
+    pretokenize_gpt2,
+    pretokenize_smollm2,
+    split_special_tokens,
+)
 
 TRICKY = [
     "", " ", "  ", "a  b", "a   \n\n  b", "Hello, world!", "I'm can't we'll they've DON'T 'S",

@@ -7,16 +7,14 @@ added tokens); decoding gives the texts back."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from llmu.models import load_tokenizer
 from llmu.models.gguf_file import GGUFFile
 from llmu.tokenization import BPETokenizer, smollm2_tokenizer, smollm2_vocab_merges
-from llmu.tokenization.pretokenize import pretokenize_gpt2
-
 from llmu.tokenization.bench import shipped_strings, shipped_texts
+from llmu.tokenization.pretokenize import pretokenize_gpt2
 
 TEXTS = shipped_texts()
 CHAT = ("<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nWhat is 12 * 34? Say it in"

@@ -9,14 +9,12 @@ import random
 from collections import Counter
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from llmu.tokenization import byte_alphabet, count_words, initial_vocab, train_bpe, train_bpe_from_file
-from llmu.tokenization.pretokenize import pretokenize_smollm2
-
 from llmu.tokenization.bench import shipped_texts
+from llmu.tokenization.pretokenize import pretokenize_smollm2
 
 ESSAYS = shipped_texts()["essays.txt"]
 

@@ -17,7 +17,6 @@ from llmu.models import byte_llama_config, make_trainable
 from llmu.training.adamw import AdamW
 from llmu.training.loop import adamw_param_groups, optimizer_state_memory
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")    # tests/training/conftest.py
 
 

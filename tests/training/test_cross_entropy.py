@@ -36,14 +36,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import llmu  # noqa: F401
 from llmu import runtime
 from llmu.runtime import kernel_device
-from llmu.training import cross_entropy as R
-from llmu.training import kernels as K
+from llmu.training import cross_entropy as R, kernels as K
 
 pytestmark = pytest.mark.kernels
 

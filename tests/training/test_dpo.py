@@ -8,8 +8,15 @@ import pytest
 import torch
 
 from llmu.models import load_tokenizer, tiny_llama
-from llmu.training.dpo import (build_preference_batch, dpo_loss, dpo_step, frozen_reference, preference_pairs,
-                               sequence_logprobs, sequence_logprobs_from_logits)
+from llmu.training.dpo import (
+    build_preference_batch,
+    dpo_loss,
+    dpo_step,
+    frozen_reference,
+    preference_pairs,
+    sequence_logprobs,
+    sequence_logprobs_from_logits,
+)
 from llmu.training.lora import add_lora, lora_disabled
 from llmu.training.sft import IGNORE_INDEX, SFTExample, build_sft_example, collate_sft
 

@@ -13,9 +13,19 @@ import pytest
 import torch
 
 from llmu.models import byte_llama_config, make_trainable, tiny_llama
-from llmu.training.loop import (OptimizerMemory, StepLog, TokenWindows, TrainConfig, Trainer, adamw_param_groups,
-                                adamw_state_bytes, clip_grad_norm, optimizer_state_memory, warmup_cosine,
-                                warmup_cosine_scheduler)
+from llmu.training.loop import (
+    OptimizerMemory,
+    StepLog,
+    TokenWindows,
+    TrainConfig,
+    Trainer,
+    adamw_param_groups,
+    adamw_state_bytes,
+    clip_grad_norm,
+    optimizer_state_memory,
+    warmup_cosine,
+    warmup_cosine_scheduler,
+)
 
 SEQ = 32
 CONFIG = byte_llama_config(64, 2, max_len=64, head_dim=16)

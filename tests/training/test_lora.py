@@ -8,8 +8,18 @@ import pytest
 import torch
 
 from llmu.models import Linear, tiny_llama
-from llmu.training.lora import (LoRALinear, add_lora, lora_disabled, lora_layers, lora_parameters,
-                                lora_state_dict, merge_lora, parameter_counts, unload_lora, unmerge_lora)
+from llmu.training.lora import (
+    LoRALinear,
+    add_lora,
+    lora_disabled,
+    lora_layers,
+    lora_parameters,
+    lora_state_dict,
+    merge_lora,
+    parameter_counts,
+    unload_lora,
+    unmerge_lora,
+)
 
 IDS = torch.tensor([[5, 17, 3, 42, 8, 60, 1, 9], [2, 2, 77, 30, 11, 4, 19, 90]])
 

@@ -13,8 +13,18 @@ from llmu.data import byte_tokens, text
 from llmu.models import load_tokenizer, tiny_llama
 from llmu.training.dpo import preference_pairs
 from llmu.training.lora import add_lora, lora_state_dict
-from llmu.training.runs import (ALL_PROJECTIONS, batch_order, dpo_lora, final_hidden_states, greedy_answers,
-                                heldout_loss, pretrain_small, preference_eval, sft_batch_loss, sft_lora)
+from llmu.training.runs import (
+    ALL_PROJECTIONS,
+    batch_order,
+    dpo_lora,
+    final_hidden_states,
+    greedy_answers,
+    heldout_loss,
+    preference_eval,
+    pretrain_small,
+    sft_batch_loss,
+    sft_lora,
+)
 from llmu.training.sft import build_sft_example, collate_sft, sft_examples, sft_loss
 
 

@@ -7,8 +7,7 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import llmu  # noqa: F401  (sets the Triton mode before triton is imported)
 from llmu.runtime import interpreting, kernel_device

@@ -14,7 +14,6 @@ test cell reads a name that only a demonstration cell defines, and every test ce
 
 from __future__ import annotations
 
-
 import llmu  # noqa: F401  (Triton mode first: the exercise kernels are defined below)
 from llmu import course
 
