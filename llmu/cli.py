@@ -464,7 +464,7 @@ def _self_grade(args) -> int:
     try:
         report = selfgrade.self_grade(args.assignment, solution=args.solution, cell_timeout=args.timeout,
                                       memory_mb=_default_memory_mb() if args.memory_mb is None else args.memory_mb,
-                                      progress=progress)
+                                      progress=progress, exercise=args.exercise, all_cells=args.all_cells)
     except selfgrade.SelfGradeError as exc:
         print(f"llmu grade: {exc}", file=sys.stderr)
         return 2
@@ -483,9 +483,9 @@ def _grade(args) -> int:
 
     if args.assignment.endswith(".ipynb") or os.path.isfile(args.assignment):
         return _self_grade(args)
-    if args.solution is not None or args.memory_mb is not None:
-        print("llmu grade: --solution and --memory-mb apply to a notebook path (self-grading), "
-              f"not to the assignment {args.assignment!r}", file=sys.stderr)
+    if args.solution is not None or args.memory_mb is not None or args.exercise is not None or args.all_cells:
+        print("llmu grade: --solution, --memory-mb, --exercise and --all-cells apply to a notebook path "
+              f"(self-grading), not to the assignment {args.assignment!r}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     try:
@@ -566,6 +566,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--solution", default=None, metavar="PATH",
                    help="notebook only: the instructor notebook to grade against (default: found by file name "
                         "in solutions/)")
+    g.add_argument("--exercise", type=int, default=None, metavar="N",
+                   help="notebook only: grade exercise N alone (its answers and tests, and the cells they need)")
+    g.add_argument("--all-cells", action="store_true",
+                   help="notebook only: run every cell, also those that cannot change the score (by default "
+                        "the instructor's cells that read nothing your answers bind are left out)")
 
     sub.add_parser("bench", help="run benchmarks (llmu bench --help for its options)", add_help=False)
 

@@ -9,7 +9,12 @@ for a class, for one learner and without a gradebook:
    it, hidden tests included (an edited or deleted test cannot change the score);
 3. run the copy top to bottom in a fresh kernel (a separate process), each cell limited to
    ``cell_timeout`` seconds (interrupted, then the run goes on) and the kernel's memory to
-   ``memory_mb`` (a watchdog kills a kernel that grows past it);
+   ``memory_mb`` (a watchdog kills a kernel that grows past it). Cells that cannot change the
+   score are left out (:func:`cells_to_skip`): the instructor's own cells (a model loaded for a
+   picture, a training demo, a benchmark) that read nothing your answers bind and that no cell
+   which runs needs, as ``llmu.course.cell_deps`` decides from the names each cell binds and
+   reads. ``all_cells=True`` runs every cell, as a class's autograde does; ``exercise=N`` runs
+   only exercise N's answers and tests and what they need;
 4. score each graded test cell: its points when it ran without an error, else 0, and group the
    cells into the exercises of the notebook (the ``### Exercise N · Title (a + b points)``
    headings; without headings, by the test cells' names).
@@ -83,6 +88,8 @@ class ExerciseResult:
 
     title: str
     cells: list[CellOutcome] = field(default_factory=list)
+    #: N of its ``### Exercise N`` heading (None for cells grouped by name, without headings)
+    number: int | None = None
 
     @property
     def score(self) -> float:
@@ -117,6 +124,9 @@ class SelfGradeReport:
     seconds: float = 0.0
     #: Why the run stopped early (the kernel died or was stopped); empty when it ran to the end.
     stopped: str = ""
+    #: The code cells left out (see :func:`cells_to_skip`), and the one exercise graded (or None).
+    skipped: int = 0
+    exercise: int | None = None
 
     @property
     def score(self) -> float:
@@ -209,7 +219,8 @@ def _exercises_of(solution_nb) -> list[ExerciseResult]:
     for heading, cells in course.exercise_groups(solution_nb.cells):
         outcomes = [CellOutcome(_grade_id(c), float(course.nbgrader_meta(c).get("points") or 0)) for c in cells]
         if heading is not None:
-            exercises.append(ExerciseResult(f"{heading['number']} · {heading['title'].strip() or 'exercise'}", outcomes))
+            exercises.append(ExerciseResult(f"{heading['number']} · {heading['title'].strip() or 'exercise'}", outcomes,
+                                            int(heading["number"])))
             continue
         by_prefix: dict[str, ExerciseResult] = {}
         for outcome in outcomes:  # no heading above them: group by the test cells' names
@@ -238,6 +249,43 @@ def prepare(learner_nb, solution_nb) -> tuple[object, list[str]]:
             restored["outputs"], restored["execution_count"] = [], None
             nb.cells[i] = restored
     return nb, [g for g in tests if g not in seen]
+
+
+def exercise_numbers(nb) -> dict[int, int]:
+    """``{cell index: N}`` for the cells that stand under a ``### Exercise N`` heading (and before
+    the next one); cells before the first heading are not in it."""
+    numbers, current = {}, None
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "markdown":
+            for line in cell.source.splitlines():
+                m = course.EXERCISE_HEADING.match(line)
+                if m:
+                    current = int(m["number"])
+        elif current is not None:
+            numbers[i] = current
+    return numbers
+
+
+def cells_to_skip(nb, solution_nb, exercise: int | None = None) -> dict[int, str]:
+    """``{cell index: why}``: the code cells of ``nb`` (the notebook :func:`prepare` made) that
+    grading leaves out, because they cannot change the score.
+
+    The whole notebook: the cells the release check leaves out (``llmu.course.cell_deps``): the
+    instructor's own cells, unchanged, that read nothing an answer binds (directly or through
+    another cell) and that no cell which runs needs. Every answer, every test, every cell you
+    added or changed, and every cell downstream of your answers runs. One exercise
+    (``exercise=N``): only its answer and test cells, and the cells they need.
+    """
+    if exercise is None:
+        return {i: "cannot change the score: the instructor's cell, reading nothing your answers bind"
+                for i in course.release_check_skips(nb, solution_nb, course.is_solution, course.is_test)}
+    code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    numbers = exercise_numbers(nb)
+    seeds = {k for k, i in enumerate(code)
+             if numbers.get(i) == exercise and (course.is_solution(nb.cells[i]) or course.is_test(nb.cells[i]))}
+    raising = {k for k, i in enumerate(code) if course.is_test(nb.cells[i])}
+    run = course.cells_to_run([nb.cells[i].source for i in code], seeds, raising, taint=False)
+    return {i: f"not needed to grade exercise {exercise}" for k, i in enumerate(code) if k not in run}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,13 +404,16 @@ def _error_message(reply_content: dict) -> str:
 
 def self_grade(notebook: str | os.PathLike, *, solution: str | os.PathLike | None = None, root=None,
                cell_timeout: float = course.CELL_TIMEOUT, memory_mb: float | None = MEMORY_MB,
-               kernel_name: str | None = None, progress: Callable[[str], None] | None = None) -> SelfGradeReport:
+               kernel_name: str | None = None, progress: Callable[[str], None] | None = None,
+               exercise: int | None = None, all_cells: bool = False) -> SelfGradeReport:
     """Grade ``notebook`` against the hidden tests of its instructor notebook; see the module text.
 
     ``solution``: the instructor notebook (default: :func:`find_solution`). ``cell_timeout``:
     seconds per cell. ``memory_mb``: the kernel's memory limit (None or 0: none). ``kernel_name``:
     the Jupyter kernel (default: the notebook's own, ``python3``). ``progress(line)`` is called
-    as each code cell finishes. The learner's file is read once and never written.
+    as each code cell finishes. ``exercise``: grade exercise N only (the report holds that one).
+    ``all_cells``: run every cell, the ones that cannot change the score too. The learner's file
+    is read once and never written.
     """
     # The limits first, before anything is read. Cells are timed in whole seconds, and a limit that
     # rounds down to 0 would mean no limit at all: an endless loop would hang the grading.
@@ -372,6 +423,8 @@ def self_grade(notebook: str | os.PathLike, *, solution: str | os.PathLike | Non
         raise SelfGradeError(f"cell_timeout must be a finite number of seconds >= 1, got {cell_timeout!r}")
     if memory_mb is not None and (isinstance(memory_mb, bool) or not isinstance(memory_mb, (int, float))):
         raise TypeError(f"memory_mb must be a number of megabytes or None, got {memory_mb!r}")
+    if exercise is not None and (isinstance(exercise, bool) or not isinstance(exercise, int)):
+        raise TypeError(f"exercise must be an exercise number (int) or None, got {exercise!r}")
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import DeadKernelError
@@ -392,13 +445,21 @@ def self_grade(notebook: str | os.PathLike, *, solution: str | os.PathLike | Non
         raise SelfGradeError(f"notebook {str(notebook)!r} is not a readable notebook: {exc}") from exc
     solution_nb = nbformat.read(str(solution_path), as_version=4)
     exercises = _exercises_of(solution_nb)
+    if exercise is not None:
+        numbers = [e.number for e in exercises if e.number is not None]
+        if exercise not in numbers:
+            raise SelfGradeError(f"exercise must be one of {numbers} (the exercises of {solution_path.name}), "
+                                 f"got {exercise}")
+        exercises = [e for e in exercises if e.number == exercise]
     outcomes = {c.grade_id: c for e in exercises for c in e.cells}
     nb, missing = prepare(learner_nb, solution_nb)
     for gid in missing:
-        outcomes[gid].status, outcomes[gid].message = MISSING, "this test cell is not in your notebook"
+        if gid in outcomes:
+            outcomes[gid].status, outcomes[gid].message = MISSING, "this test cell is not in your notebook"
+    skips = {} if all_cells else cells_to_skip(nb, solution_nb, exercise)
 
     t_start = time.perf_counter()
-    report = SelfGradeReport(notebook=path, solution=solution_path, exercises=exercises)
+    report = SelfGradeReport(notebook=path, solution=solution_path, exercises=exercises, exercise=exercise)
     code_cells = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and c.source.strip()]
     replies: dict[int, dict] = {}
 
@@ -415,9 +476,10 @@ def self_grade(notebook: str | os.PathLike, *, solution: str | os.PathLike | Non
                               "traceback": []},
             resources={"metadata": {"path": work}}, on_cell_executed=on_cell_executed,
         )
+        skipped = [i for i in code_cells if i in skips]
         say(f"starting a kernel for {path.name} (graded against {solution_path.name}; "
-            f"{len(code_cells)} code cells, {cell_timeout:g} s each at most"
-            + (f", {memory_mb:g} MiB" if memory_mb else "") + ")")
+            f"{len(code_cells) - len(skipped)} of {len(code_cells)} code cells run, the others cannot change "
+            f"the score; {cell_timeout:g} s each at most" + (f", {memory_mb:g} MiB" if memory_mb else "") + ")")
         # The kernel's own stderr goes to a file (start-up chatter stays off the screen); what it
         # wrote after start-up, its last words, is reported if it dies.
         log_path = Path(work) / "kernel.log"
@@ -436,6 +498,10 @@ def self_grade(notebook: str | os.PathLike, *, solution: str | os.PathLike | Non
         for n, index in enumerate(code_cells, 1):
             cell = nb.cells[index]
             gid = _grade_id(cell)
+            if index in skips:
+                report.skipped += 1
+                say(course.cell_line(n, len(code_cells), gid, None, "left out: " + skips[index]))
+                continue
             t0 = time.perf_counter()
             try:
                 client.execute_cell(cell, index)
@@ -502,6 +568,18 @@ def format_report(report: SelfGradeReport, width: int | None = None) -> str:
     if report.stopped:
         lines.append("")
         lines += textwrap.wrap(f"The run stopped early: {report.stopped}.", width)
+    notes = []
+    if report.exercise is not None:
+        notes.append(f"Exercise {report.exercise} only: its answers and tests ran, with the cells they need.")
+    if report.skipped:
+        notes.append(f"{report.skipped} cell(s) left out that cannot change the score "
+                     + ("(not needed by this exercise)" if report.exercise is not None else
+                        "(the instructor's cells that read nothing your answers bind)")
+                     + "; --all-cells runs every cell, as a class's autograde does.")
+    if notes:
+        lines.append("")
+        for note in notes:
+            lines += textwrap.wrap(note, width)
     return "\n".join(lines)
 
 

@@ -224,6 +224,23 @@ def test_grade_options_belong_to_their_mode(tmp_path, capsys):
     assert "--student is for grading a class" in capsys.readouterr().err
     assert cli.main(["grade", "00_welcome", "--memory-mb", "100"]) == 2
     assert "apply to a notebook path" in capsys.readouterr().err
+    for option in (["--exercise", "1"], ["--all-cells"]):
+        assert cli.main(["grade", "00_welcome", *option]) == 2
+        assert "--exercise and --all-cells apply to a notebook path" in capsys.readouterr().err
+
+
+def test_grade_passes_exercise_and_all_cells_to_self_grading(monkeypatch, tmp_path):
+    from llmu import selfgrade
+
+    seen = {}
+
+    def fake(path, **kw):
+        seen.update(kw)
+        raise selfgrade.SelfGradeError("stop here")
+
+    monkeypatch.setattr(selfgrade, "self_grade", fake)
+    assert cli.main(["grade", "course/00_welcome/00_welcome.ipynb", "--exercise", "2", "--all-cells"]) == 2
+    assert seen["exercise"] == 2 and seen["all_cells"] is True
 
 
 def test_grade_defaults_come_from_the_course():

@@ -133,3 +133,29 @@ def test_check_without_hint_has_no_hint_line():
 def test_passed_prints_the_property(capsys):
     passed("softmax rows sum to one")
     assert "softmax rows sum to one" in capsys.readouterr().out
+
+
+def test_a_long_mismatch_shows_the_first_difference_and_a_window_not_the_whole_value():
+    """Token ids of a learner's tokenizer (01 ex2): 210 ids, one wrong. The message names the index
+    and shows a few ids around it, never the whole list."""
+    got = list(range(210))
+    want = got[:100] + [7] + got[101:]
+    with pytest.raises(CheckFailed) as info:
+        check_equal(got, want, what="encode(text)", hint=HINT)
+    message = str(info.value)
+    assert "first difference at index 100" in message
+    assert "got [..., 97, 98, 99, 100, 101, 102, 103, ...]" in message
+    assert "expected [..., 97, 98, 99, 7, 101, 102, 103, ...]" in message
+    assert len(message) < 300 and "150" not in message
+    with pytest.raises(CheckFailed, match=r"length 2, expected 3; first difference at index 2"):
+        check_equal([1, 2], [1, 2, 3], what="ids")
+    with pytest.raises(CheckFailed, match=r"first difference at index 150: got \.\.\.'x+'"):
+        check_equal("x" * 300, "x" * 150 + "y" + "x" * 149, what="text")
+    with pytest.raises(CheckFailed, match=r"at key 'b': got 2, expected 3"):
+        check_equal({"a": 1, "b": 2}, {"a": 1, "b": 3}, what="counts")
+    with pytest.raises(CheckFailed, match=r"keys differ: missing \['b'\], unexpected \['a'\]"):
+        check_equal({"a": 1}, {"b": 1}, what="counts")
+    long_value = {"merge": "x" * 500}
+    with pytest.raises(CheckFailed) as info:
+        check_equal(3, long_value, what="value")
+    assert len(str(info.value)) < 200

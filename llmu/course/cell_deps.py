@@ -1,5 +1,6 @@
 """Which cells of a released notebook behave exactly as in the instructor's, so that checking the
-release need not run them again.
+release need not run them again, and self-grading (``llmu grade NOTEBOOK``, :mod:`llmu.selfgrade`)
+need not run them to score the learner's answers.
 
 The release check runs the student notebook on its stubs: every graded test cell must fail, and
 every other cell must still run. Most of a notebook's time goes into cells that never touch an
@@ -23,22 +24,32 @@ Which cells must run, from the names each cell binds and reads (Python's ``ast``
 4. any cell the analysis cannot follow: a syntax error (IPython magics), ``exec``/``eval``,
    ``globals()``/``locals()``/``vars()``, ``get_ipython``, ``import *``, ``match``.
 
-What it cannot see is a cell that changes shared state without binding a name: a method call
-such as ``torch.manual_seed(0)`` or ``model.eval()``, or a call of a function that calls another
-one declaring ``global`` (only direct callers are followed). A cell left out never runs such a
-call. A running cell that needed it fails loudly (the check then shows it); it cannot make a
-graded cell fail that would pass, since the stubs make every graded cell fail first.
+A call made for its effect counts as binding what it may change: ``model.eval()`` or
+``items.append(x)`` the object it is called on, ``shuffle(items)`` the names passed to it (not
+``print`` and the other builtins, nor ``display``), and on a module only a setter of global
+state (``torch.manual_seed(0)``, ``torch.set_num_threads(1)``, ``np.random.seed``), not
+``viz.show(fig)``. What it still cannot see is a change made deeper: a function that changes an
+object it reaches without being given it, or calls another that declares ``global`` (only direct
+callers are followed). A cell left out never runs such a call. A running cell that needed it
+fails loudly (the check then shows it); it cannot make a graded cell fail that would pass, since
+the stubs make every graded cell fail first.
 """
 
 from __future__ import annotations
 
 import ast
 import builtins
+import re
 
 __all__ = ["cells_to_run", "release_check_skips"]
 
 _OPAQUE_CALLS = {"exec", "eval", "globals", "locals", "vars", "get_ipython", "__import__"}
 _BUILTINS = set(dir(builtins))
+#: What a module's function that changes global state is called (``manual_seed``, ``seed``,
+#: ``set_default_dtype``, ``use_deterministic_algorithms``, ``enable_grad``).
+_STATE_SETTER = re.compile(r"seed|^set|^use_|^enable|^disable|^reset|^init")
+#: Functions called for their output that change none of their arguments.
+_PURE_CALLS = (_BUILTINS - {"exec", "eval", "setattr", "delattr", "next", "iter", "__import__"}) | {"display"}
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
 _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 
@@ -77,6 +88,7 @@ class _Cell(ast.NodeVisitor):
         self.reads: set[str] = set()
         self.late: set[str] = set()
         self.globals_of: dict[str, set[str]] = {}   # function name -> the globals it declares
+        self.effects: set[tuple[str, str]] = set()  # (x, name) of each statement `x.name(...)`
         self.opaque = False
         self._bound: set[str] = set()
         self._conditional = 0
@@ -248,6 +260,27 @@ class _Cell(ast.NodeVisitor):
             self.opaque = True
         self.generic_visit(node)
 
+    def visit_Expr(self, node):
+        """A call made for its effect (``torch.manual_seed(0)``, ``model.eval()``,
+        ``shuffle(items)``) may change the object it is called on and the objects passed to it:
+        each counts as "may bind" (rule 3 then keeps the call for the cells that read them)."""
+        self.visit(node.value)
+        if isinstance(node.value, ast.Call):
+            call = node.value
+            base = call.func
+            while isinstance(base, (ast.Attribute, ast.Subscript, ast.Call)):
+                base = base.func if isinstance(base, ast.Call) else base.value
+            if isinstance(base, ast.Name) and base is not call.func:
+                attr = call.func.attr if isinstance(call.func, ast.Attribute) else ""
+                self.effects.add((base.id, attr))    # resolved in cells_to_run: a module or not
+            if isinstance(call.func, ast.Name) and call.func.id in _PURE_CALLS:
+                return                  # print(x), display(fig), len(x): they change nothing
+            for arg in [*call.args, *(k.value for k in call.keywords)]:
+                if isinstance(arg, ast.Starred):
+                    arg = arg.value
+                if isinstance(arg, ast.Name):
+                    self.maybe.add(arg.id)
+
 
 def _cell(source: str) -> _Cell | None:
     """What ``source`` binds and reads; None when it cannot be followed (rule 4)."""
@@ -267,15 +300,25 @@ def _cell(source: str) -> _Cell | None:
     return cell
 
 
-def cells_to_run(sources: list[str], seeds: set[int], raising: set[int] = frozenset()) -> set[int]:
+def cells_to_run(sources: list[str], seeds: set[int], raising: set[int] = frozenset(), *,
+                 taint: bool = True) -> set[int]:
     """Indices of the code cells ``sources`` that must run, given the cells ``seeds`` that must
     (answer and test cells, and changed ones): rules 2 to 4 of the module docstring. A cell in
-    ``raising`` (a test on the stubs) may stop anywhere: what it binds counts as "may bind"."""
+    ``raising`` (a test on the stubs) may stop anywhere: what it binds counts as "may bind".
+    ``taint=False`` leaves rule 2 out: only the seeds and what they need run (grading one
+    exercise needs its answers and tests, not every cell downstream of them)."""
     cells = [_cell(s) for s in sources]
     for i in raising:
         if cells[i] is not None:
             cells[i].maybe |= cells[i].certain
             cells[i].certain = set()
+    # `x.f(...)` for its effect may change x; on a module only a setter of global state does
+    # (torch.manual_seed, np.random.seed, torch.set_default_dtype), not viz.show(fig)
+    modules = set().union(*(c.imports for c in cells if c is not None))
+    for c in cells:
+        for name, attr in (c.effects if c is not None else ()):
+            if name not in modules or _STATE_SETTER.search(attr):
+                c.maybe.add(name)
     # a cell that reads a function declaring `global x` may bind x (it may call the function)
     globals_of: dict[str, set[str]] = {}
     for c in cells:
@@ -317,7 +360,7 @@ def cells_to_run(sources: list[str], seeds: set[int], raising: set[int] = frozen
     run = set(seeds) | {i for i, c in enumerate(cells) if c is None}
     # rule 2: a cell is tainted when a cell it may see is (imports aside, see the docstring)
     tainted = set(seeds)
-    grew = True
+    grew = taint
     while grew:
         grew = False
         for i in range(len(cells)):

@@ -136,7 +136,49 @@ def check_equal(actual, expected, what: str, hint: str | None = None) -> None:
                         f"got {a.cpu()[idx].item()}, expected {e.cpu()[idx].item()}", hint)
         return
     if actual != expected:
-        _fail(what, f"got {actual!r}, expected {expected!r}", hint)
+        _fail(what, _difference(actual, expected), hint)
+
+
+#: How many items a mismatch message shows on each side of the first difference.
+WINDOW = 3
+#: A value longer than this (as repr) is shortened in messages.
+SHORT_REPR = 80
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= SHORT_REPR else text[:SHORT_REPR - 4] + " ..."
+
+
+def _window(seq, i: int) -> str:
+    lo, hi = max(0, i - WINDOW), min(len(seq), i + WINDOW + 1)
+    items = ", ".join(_short(x) for x in seq[lo:hi])
+    return ("[..., " if lo else "[") + items + (", ...]" if hi < len(seq) else "]")
+
+
+def _difference(actual, expected) -> str:
+    """Where two unequal values differ, in a few lines whatever their size: for sequences and
+    strings the first differing index with a few items around it, for dicts the keys."""
+    sequence = (list, tuple, str, bytes)
+    if isinstance(actual, sequence) and isinstance(expected, sequence) and type(actual) is type(expected):
+        first = next((i for i, (a, e) in enumerate(zip(actual, expected)) if a != e), min(len(actual), len(expected)))
+        where = f"first difference at index {first}"
+        if len(actual) != len(expected):
+            where = f"length {len(actual)}, expected {len(expected)}; " + where
+        if isinstance(actual, (str, bytes)):
+            lo = max(0, first - 20)
+            dots = "..." if lo else ""
+            return (f"{where}: got {dots}{_short(actual[lo:first + 20])}, "
+                    f"expected {dots}{_short(expected[lo:first + 20])}")
+        return f"{where}: got {_window(actual, first)}, expected {_window(expected, first)}"
+    if isinstance(actual, dict) and isinstance(expected, dict):
+        missing, extra = [k for k in expected if k not in actual], [k for k in actual if k not in expected]
+        if missing or extra:
+            return (f"keys differ: missing {_short(missing[:WINDOW * 2])}" + (" ..." if len(missing) > 2 * WINDOW else "")
+                    + f", unexpected {_short(extra[:WINDOW * 2])}" + (" ..." if len(extra) > 2 * WINDOW else ""))
+        key = next(k for k in expected if actual[k] != expected[k])
+        return f"at key {key!r}: got {_short(actual[key])}, expected {_short(expected[key])}"
+    return f"got {_short(actual)}, expected {_short(expected)}"
 
 
 def check_raises(

@@ -8,18 +8,30 @@ Toward Training Trillion Parameter Models") notices that only the forward and ba
 whole model, and removes the duplication in three stages. With ``N`` ranks:
 
 - **stage 1**, optimizer states sharded: each rank updates only its ``1/N`` of the parameters, so
-  it keeps Adam's moments for that part only. Gradients are still all-reduced (every rank holds
-  the full average), each rank updates its part, and an **all-gather** gives everyone the new
-  parameters. Memory ``4Ψ + 4Ψ + 8Ψ/N``.
-- **stage 2**, gradients sharded too: a rank needs only its part's gradient, so the all-reduce
-  becomes a **reduce-scatter** (each rank receives the sum of its part only, half the traffic of an
-  all-reduce), issued as soon as a layer's gradients are complete, and the full gradients are freed
-  right away. Memory ``4Ψ + (4 + 8)Ψ/N``.
+  it keeps Adam's moments for that part only, and it needs the average gradient of that part only.
+  The backward still builds the whole gradient on every rank; then a **reduce-scatter** gives each
+  rank the sum of its own part (the rest of its gradient buffer is spent), each rank updates its
+  part, and an **all-gather** gives everyone the new parameters. Memory ``4Ψ + 4Ψ + 8Ψ/N``.
+- **stage 2**, gradients sharded too: since a rank reads only its part's gradient, each layer is
+  reduce-scattered as soon as its gradients are complete, during the backward, and its full
+  gradients are freed right away. Memory ``4Ψ + (4 + 8)Ψ/N``.
 - **stage 3**, parameters sharded too: a rank stores only its ``1/N`` of the weights. A layer's
   full weights are **all-gathered just before its forward** (a forward pre-hook), freed right
   after it, gathered again just before its backward (a hook on the gradient of the layer's
   output), and freed again once its gradients have been reduce-scattered. Memory ``16Ψ/N`` plus one
   or two layers' full weights at a time. This is what PyTorch's FSDP does.
+
+What goes on the wire. A ring **all-reduce** *is* a reduce-scatter followed by an all-gather
+(:mod:`llmu.parallel.comm`): each rank sends ``(N-1)/N`` of the buffer in each half, ``2Ψ(N-1)/N``
+values in all, and that is what plain data parallelism sends per step. Stages 1 and 2 send exactly
+that too, only with the optimizer step between the two halves: the reduce-scatter sums the
+gradients, the all-gather moves the updated weights instead of the summed gradients. (All-reducing
+the whole gradient before the all-gather, as if every rank needed the whole average, would send
+``3Ψ(N-1)/N``, 1.5 times as much, and each rank would read only its own part of what it received.)
+Stage 3 gathers the weights twice, before the forward and before the backward, and sends
+``3Ψ(N-1)/N``: the 1.5 times data parallelism's traffic that the paper pays for ``16Ψ/N``. Stage 0
+(plain data parallelism through the same machinery) all-reduces, since every rank updates
+everything.
 
 The paper's formulas are for mixed precision: fp16 weights and gradients (2 + 2 bytes) and
 ``K = 12`` bytes of optimizer state per parameter (an fp32 master copy of the weights and the two
@@ -205,7 +217,10 @@ class FlatUnit:
     shard: nn.Parameter             # float32, what this rank's optimizer updates (a view of full when both are
                                     # float32 and the stage is 0-2; otherwise the master copy of the owned slice)
     owned: slice                    # the shard's place in the flat buffer
-    full_grad: torch.Tensor | None = None   # (padded,) stages 0-1: kept; 2-3: only during backward
+    full_grad: torch.Tensor | None = None   # (padded,) stages 0-1: kept (stage 1: once reduce-scattered,
+                                            # only the owned slice is meaningful); 2-3: only during backward
+    carry: torch.Tensor | None = None       # stage 1: the averaged shard gradient of a reduction this step,
+                                            # set aside while more gradients accumulate before the step
     ready: int = 0                  # gradients received in this backward
     gathered: bool = True
 
@@ -257,7 +272,8 @@ class ZeRO(nn.Module):
 
         loss = loss_fn(zero(my_shard))      # stage 3 gathers each unit just in time
         loss.backward()                     # stages 2-3 reduce-scatter each unit when complete
-        zero.step()                         # (all-reduce,) update the shard, (all-gather)
+        zero.step()                         # stage 1: reduce-scatter (stage 0: all-reduce), update
+                                            # the shard, all-gather (stages 1-2)
         zero.zero_grad()
 
     ``optimizer_cls`` and ``**optimizer_kwargs``: the optimizer and its keyword arguments,
@@ -271,7 +287,8 @@ class ZeRO(nn.Module):
     ``((g0 + g1) + g2) + ...`` (:mod:`llmu.parallel.ordered_reduce`: an all-to-all, then the sum on
     the receiving rank), the order of one process accumulating the same micro-batches, so float32
     training is bit-identical to it on any number of ranks; ``"collective"`` uses the backend's
-    reduce-scatter and all-reduce, whose order differs from 3 ranks on (a few ulps per step).
+    reduce-scatter (stage 0: its all-reduce), whose order differs from 3 ranks on (a few ulps per
+    step).
 
     ``units``: submodules whose parameters form one flat buffer each (default
     :func:`default_units`); trainable parameters outside them form one more unit around the whole
@@ -297,10 +314,17 @@ class ZeRO(nn.Module):
     ==========  ====================  ==========================  ===============================
 
     plus, during the backward of stages 2-3, the full float32 gradient of the unit being reduced,
-    and in stage 3 one or two units' gathered weights at a time. Under mixed precision the
-    float32 master weights count as optimizer state, as the ZeRO paper's ``K = 12`` does. For
-    ``Ψ = 1e9, N = 8``: stage 1 in float32 is 4 + 4 + 1 = 9 GB, with bf16 compute 2 + 4 + 1.5 =
-    7.5 GB (the paper's 2 + 2 + 1.5 reduces gradients in 16 bits; this class reduces in float32).
+    and in stage 3 one or two units' gathered weights at a time. Stage 1 keeps the whole gradient
+    through the backward; its reduce-scatter then leaves the average in this rank's slice only.
+    Under mixed precision the float32 master weights count as optimizer state, as the ZeRO paper's
+    ``K = 12`` does. For ``Ψ = 1e9, N = 8``: stage 1 in float32 is 4 + 4 + 1 = 9 GB, with bf16
+    compute 2 + 4 + 1.5 = 7.5 GB (the paper's 2 + 2 + 1.5 reduces gradients in 16 bits; this class
+    reduces in float32).
+
+    What a rank sends per step (``Ψ`` padded, float32): ``2(N-1)/N · 4Ψ`` bytes in stages 0-2, plain
+    data parallelism's all-reduce (stage 0 all-reduces; stages 1 and 2 reduce-scatter the gradients
+    and all-gather the updated weights), and ``3(N-1)/N · 4Ψ`` in stage 3 (two all-gathers of the
+    weights and a reduce-scatter). Under mixed precision the all-gathers move 2-byte weights.
 
     ``parameters()`` / ``named_parameters()`` are the shards this rank owns and updates (one flat
     float32 tensor per unit, ``"<unit>.flat_shard"``), as with FSDP: an optimizer built on them,
@@ -504,6 +528,8 @@ class ZeRO(nn.Module):
         (stages 2-3)."""
         if self._stepped:                           # the first gradient after a step: start from zero
             self._clear_gradients(keep_param_grads=True)
+        if self._reduced and self.stage == 1:       # more gradients after a reduction, before the step
+            self._set_aside_reduced()
         self._reduced = False
         unit, i = self._where[p]
         self._attach_grad(unit)
@@ -520,27 +546,35 @@ class ZeRO(nn.Module):
     def _attach_grad(self, unit: FlatUnit) -> None:
         """Give the shard its gradient back if it has none: an optimizer's
         ``zero_grad(set_to_none=True)`` sets ``shard.grad = None``, which means zero. Stages 0-1:
-        the shard's gradient is its slice of the flat gradient (zeroed with it); stages 2-3: a
-        zero tensor that the reduce-scatter adds into."""
+        the shard's gradient is its slice of the flat gradient (zeroed with it), where stage 1's
+        reduce-scatter writes the average; stages 2-3: a zero tensor that the reduce-scatter adds
+        into."""
         if unit.shard.grad is not None:
             return
         if self.stage <= 1:
             unit.full_grad.zero_()
+            unit.carry = None
             unit.shard.grad = unit.full_grad[unit.owned]
         else:
             unit.shard.grad = torch.zeros_like(unit.shard)
+
+    def _reduce_scatter_unit(self, unit: FlatUnit) -> torch.Tensor:
+        """This rank's slice of the average over the ranks of the unit's flat gradient, in a new
+        tensor: a reduce-scatter (each rank receives the sum of its own slice only), then ``/ W``.
+        A collective: every rank calls it, for the same unit."""
+        mine = torch.empty_like(unit.shard)
+        if self.reduce_order == "rank":             # summed g0 + g1 + ... in rank order: exact
+            reduce_scatter_in_rank_order(mine, unit.full_grad, self.group)
+        else:
+            _reduce_scatter(mine, unit.full_grad, group=self.group)
+        return mine.div_(self.world_size)
 
     def _unit_done(self, unit: FlatUnit) -> None:
         unit.ready = 0
         if self.stage <= 1:                         # the full gradient stays until the step
             return
         # Each rank receives the sum of its own slice only; then the full gradient goes
-        mine = torch.empty_like(unit.shard)
-        if self.reduce_order == "rank":             # summed g0 + g1 + ... in rank order: exact
-            reduce_scatter_in_rank_order(mine, unit.full_grad, self.group)
-        else:
-            _reduce_scatter(mine, unit.full_grad, group=self.group)
-        unit.shard.grad.add_(mine.div_(self.world_size))
+        unit.shard.grad.add_(self._reduce_scatter_unit(unit))
         self._sample()
         unit.full_grad = None
         if self.stage == 3:
@@ -551,6 +585,7 @@ class ZeRO(nn.Module):
         parameters' own ``.grad`` too, unless a gradient hook is about to read one."""
         for unit in self.units:
             self._attach_grad(unit)                 # a gradient set to None counts as zero
+            unit.carry = None
             if self.stage <= 1:
                 unit.full_grad.zero_()
             else:
@@ -566,11 +601,14 @@ class ZeRO(nn.Module):
     # -- the step ---------------------------------------------------------------------------------
     @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """Finish the gradient communication of this step: stages 0-1 all-reduce the full
-        gradients (and divide by ``W``); stages 2-3 have reduce-scattered every complete unit
-        during the backward and complete the others here. Afterwards ``unit.shard.grad`` holds the
-        average gradient of this rank's shard. :meth:`step` (and the step of any optimizer over
-        :meth:`parameters`) calls it; calling it again before new gradients arrive does nothing."""
+        """Finish the gradient communication of this step: stage 0 all-reduces the full gradients
+        (every rank updates everything); stage 1 reduce-scatters them, so that each rank receives
+        the sum of its own slice only, into that slice of its flat gradient; stages 2-3 have
+        reduce-scattered every complete unit during the backward and complete the others here.
+        Each divides by ``W``. Afterwards ``unit.shard.grad`` holds the average gradient of this
+        rank's shard (stage 1: the rest of the flat gradient is spent, this rank's own unreduced
+        values). :meth:`step` (and the step of any optimizer over :meth:`parameters`) calls it;
+        calling it again before new gradients arrive does nothing."""
         if self._reduced:
             return
         for unit in self.units:                     # units some of whose parameters got no gradient
@@ -579,14 +617,32 @@ class ZeRO(nn.Module):
                 self._unit_done(unit)
             if self.stage == 3:
                 self._free(unit)
-        if self.stage <= 1:
+        if self.stage == 0:                         # plain data parallelism: the whole average everywhere
             for unit in self.units:
                 if self.reduce_order == "rank":
                     all_reduce_in_rank_order(unit.full_grad, self.group)
                 else:
                     dist.all_reduce(unit.full_grad, group=self.group)
                 unit.full_grad.div_(self.world_size)
+        elif self.stage == 1:                       # the first half of an all-reduce; the all-gather of
+            for unit in self.units:                 # the updated weights (_publish) is the second
+                mine = self._reduce_scatter_unit(unit)
+                if unit.carry is not None:          # an earlier reduction of this step: add to it
+                    mine = unit.carry.add_(mine)
+                    unit.carry = None
+                unit.shard.grad.copy_(mine)         # this rank's slice of the flat gradient
+            self._sample()
         self._reduced = True
+
+    def _set_aside_reduced(self) -> None:
+        """Stage 1, a gradient arrives after :meth:`reduce_gradients` and before the step (say,
+        after :meth:`full_gradients`): keep the average of each shard aside and start the flat
+        gradient from zero, so that the next reduction sums the new gradients only and adds them
+        to it, as stage 2 adds each reduce-scatter into its shard gradient."""
+        for unit in self.units:
+            if unit.shard.grad is not None:         # None (an optimizer's zero_grad) means zero: nothing to keep
+                unit.carry = unit.shard.grad.clone()
+                unit.full_grad.zero_()
 
     @torch.no_grad()
     def _publish(self) -> None:
@@ -658,7 +714,7 @@ class ZeRO(nn.Module):
         params = size([p for u in self.units for p in u.params] + [u.full for u in self.units]
                       + ([] if self.mixed else shards))
         grads = size([p.grad for u in self.units for p in u.params] + [u.full_grad for u in self.units]
-                     + [u.shard.grad for u in self.units])
+                     + [u.shard.grad for u in self.units] + [u.carry for u in self.units])
         optimizer = size([t for state in self.optimizer.state.values() for t in state.values()
                           if isinstance(t, torch.Tensor)] + (shards if self.mixed else []))
         return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
@@ -697,14 +753,14 @@ class ZeRO(nn.Module):
         """The average float32 gradient of every trained parameter over the ranks, in the
         parameter's shape, by its name in ``module``: what a single process would hold in
         ``p.grad`` (upcast to float32 under mixed precision). Call it after the backward and
-        before the step; it completes the reduction (:meth:`reduce_gradients`) and, in stages 2-3,
+        before the step; it completes the reduction (:meth:`reduce_gradients`) and, in stages 1-3,
         all-gathers the gradient shards: a collective, every rank must call it. Every rank gets
-        the same bits: each slice is summed once, by its owner (stages 2-3), or by one all-reduce
-        whose result every rank receives (stages 0-1)."""
+        the same bits: each slice is summed once, by its owner (stages 1-3), or by one all-reduce
+        whose result every rank receives (stage 0)."""
         self.reduce_gradients()
         out = {}
         for unit in self.units:
-            flat = unit.full_grad if self.stage <= 1 else self._gathered_flat(unit, unit.shard.grad)
+            flat = self._gathered_flat(unit, unit.shard.grad)   # stage 0: the all-reduced flat gradient
             for name, p, off in zip(unit.names, unit.params, unit.offsets):
                 out[name] = flat[off:off + p.numel()].view(p.shape).clone()
         return out

@@ -200,3 +200,42 @@ def test_global_inside_a_function_without_the_learners_code_still_orders_the_cel
                STUB,
                "assert my_fn(level) == 6"]
     assert _skipped(sources, answers=[2], tests=[3]) == set()
+
+
+# ---------------------------------------------------------------------------------------------
+# calls made for their effect: the state they change is kept for the cells that read it
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_seed_set_by_a_demo_is_kept_for_the_tests_after_it():
+    """``torch.manual_seed(0)`` changes torch's random state, which a test's random inputs read."""
+    sources = ["import torch",
+               STUB,
+               "torch.manual_seed(0)\nprint('a demo')",
+               "assert my_fn(torch.randn(3)) is not None"]
+    assert _skipped(sources, answers=[1], tests=[3]) == set()
+
+
+def test_a_module_function_that_sets_nothing_is_left_out():
+    sources = ["import torch\nfrom llmu import viz",
+               STUB,
+               "fig = viz.bars([1, 2])\nviz.show(fig)",     # draws: changes neither viz nor torch
+               "assert my_fn(torch.ones(3)) is not None"]
+    assert _skipped(sources, answers=[1], tests=[3]) == {2}
+
+
+def test_a_method_called_on_an_object_may_change_it():
+    sources = ["import torch\nmodel = torch.nn.Linear(2, 2)",
+               "model.eval()",                             # changes model: the test reads it
+               STUB,
+               "assert my_fn(model) is not None"]
+    assert _skipped(sources, answers=[2], tests=[3]) == set()
+
+
+def test_an_object_passed_to_a_function_may_be_changed_but_not_by_print():
+    sources = ["import random\nitems = [1, 2, 3]",
+               "random.shuffle(items)",                    # changes items in place
+               "print(items, len(items))",                 # changes nothing
+               STUB,
+               "assert my_fn(items) is not None"]
+    assert _skipped(sources, answers=[3], tests=[4]) == {2}

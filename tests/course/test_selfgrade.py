@@ -346,6 +346,88 @@ def test_real_00_welcome_zero_then_full_marks(tmp_path):
     _real_zero_and_full("00_welcome", tmp_path)
 
 
+@pytest.mark.slow
+@pytest.mark.notebooks
+@pytest.mark.parametrize("name", [p.parent.name for p in course.source_notebooks()])
+def test_every_notebooks_answers_score_full_marks_with_the_cells_left_out(name, tmp_path):
+    """The cells self-grading leaves out (cells_to_skip) cannot cost a right answer a point: every
+    course notebook with the instructor's answers typed in scores full marks without them. (The
+    release run in test_execution.py checks the same cells are not needed on the stubs.)"""
+    released = course.course_dir() / name / f"{name}.ipynb"
+    solution = course.solutions_dir() / name / f"{name}.ipynb"
+    answered = _with_answers(nbformat.read(str(released), as_version=4), nbformat.read(str(solution), as_version=4))
+    report = _grade(answered, tmp_path, None, name=f"{name}.ipynb", cell_timeout=course.CELL_TIMEOUT)
+    assert report.skipped > 0, "nothing was left out: the test would prove nothing"
+    assert report.score == report.max_score > 0 and not report.stopped, selfgrade.format_report(report)
+
+
 def test_a_kernel_that_does_not_start_is_reported(fixture_root, tmp_path):
     with pytest.raises(selfgrade.KernelStartError, match="no_such_kernel"):
         _grade(_stub(fixture_root), tmp_path, fixture_root, kernel_name="no_such_kernel")
+
+
+# ---------------------------------------------------------------------------------------------
+# What runs: cells that cannot change the score are left out; one exercise alone
+# ---------------------------------------------------------------------------------------------
+
+
+def _prepared(root: Path):
+    nb, missing = selfgrade.prepare(_stub(root), _solution(root))
+    assert not missing
+    return nb
+
+
+def _ids_of(nb, indices):
+    return sorted(course.nbgrader_meta(nb.cells[i]).get("grade_id") or f"cell {i}" for i in indices)
+
+
+def test_the_instructors_demo_is_left_out_and_every_answer_and_test_runs(fixture_root):
+    nb = _prepared(fixture_root)
+    demo = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code" and "A demo that uses" in c.source)
+    skips = selfgrade.cells_to_skip(nb, _solution(fixture_root))
+    assert set(skips) == {demo}, _ids_of(nb, skips)
+    assert "reading nothing your answers bind" in skips[demo]
+
+
+def test_one_exercise_runs_its_answers_tests_and_what_they_need(fixture_root):
+    nb, solution = _prepared(fixture_root), _solution(fixture_root)
+    code = {course.nbgrader_meta(c).get("grade_id") or f"cell {i}" for i, c in enumerate(nb.cells) if c.cell_type == "code"}
+    ran = {n: code - set(_ids_of(nb, selfgrade.cells_to_skip(nb, solution, exercise=n))) for n in (1, 2)}
+    assert ran[1] == {"setup", "double", "test_double"}                 # setup: torch and the checks
+    assert ran[2] == {"setup", "reciprocal", "test_reciprocal"}
+
+
+def test_a_learners_own_cell_runs(fixture_root):
+    """A cell the learner added is not the instructor's: it runs, whatever it reads."""
+    nb = _stub(fixture_root)
+    nb.cells.insert(3, nbformat.v4.new_code_cell("print('my scratch work')"))
+    prepared, _ = selfgrade.prepare(nb, _solution(fixture_root))
+    assert 3 not in selfgrade.cells_to_skip(prepared, _solution(fixture_root))
+
+
+def test_an_exercise_that_does_not_exist_is_refused(fixture_root, tmp_path):
+    with pytest.raises(selfgrade.SelfGradeError, match=r"exercise must be one of \[1, 2\] .*got 3"):
+        _grade(_stub(fixture_root), tmp_path, fixture_root, exercise=3)
+    with pytest.raises(TypeError, match="exercise must be an exercise number"):
+        _grade(_stub(fixture_root), tmp_path, fixture_root, exercise="2")
+
+
+@pytest.mark.notebooks
+def test_grading_one_exercise_reports_that_one(fixture_root, tmp_path):
+    """A wrong exercise 1 does not matter when exercise 2 is graded alone; the report says so."""
+    nb = _with_answers(_stub(fixture_root), _solution(fixture_root), double="def double(x):\n    return x")
+    lines = []
+    report = _grade(nb, tmp_path, fixture_root, exercise=2, progress=lines.append)
+    assert [e.number for e in report.exercises] == [2] and (report.score, report.max_score) == (3, 3)
+    assert report.skipped == 3 and sum("left out: not needed to grade exercise 2" in line for line in lines) == 3
+    text = selfgrade.format_report(report, width=100)
+    assert "Exercise 2 only" in text and "3 cell(s) left out" in text and "double" not in text
+
+
+@pytest.mark.notebooks
+def test_all_cells_runs_every_cell(fixture_root, tmp_path):
+    lines = []
+    report = _grade(_with_answers(_stub(fixture_root), _solution(fixture_root)), tmp_path, fixture_root,
+                    all_cells=True, progress=lines.append)
+    assert report.skipped == 0 and not any("left out" in line for line in lines)
+    assert report.score == report.max_score == 5

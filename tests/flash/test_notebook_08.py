@@ -106,3 +106,25 @@ def test_the_benchmark_times_your_kernel_beside_llmus(notebook, tmp_path):
     size = {"B": 2, "H": 2, "Hkv": 2, "T": 40, "D": 16, "causal": True}
     assert notebook.check_bench_yours(tmp_path, {"flash_attention_fwd": "ex3"},
                                       sizes={"flash_attention_fwd": size}) == {"flash_attention_fwd": "ok"}
+
+
+def test_the_self_check_intensities_follow_section_1s_traffic_count():
+    """Self-check 1: the traffic of section 1's table, per head, in bf16, for a long sequence.
+    Naive attention moves 4Td + 4T^2 elements, the tiled forward 2Td + 2Td*ceil(T/B_r) + T; both do
+    4T^2 d operations. At B_r = 128, d = 64 that is about 32 and about 128 FLOP per byte, both
+    under an H200's ridge (989 TFLOP/s over 4.8 TB/s): FlashAttention is faster by moving less,
+    not by turning compute-bound."""
+    import math
+
+    from llmu.roofline import gpu_roofs
+
+    T, d, block_rows, elem = 65_536, 64, 128, 2
+    flops = 4 * T * T * d
+    naive = flops / ((4 * T * d + 4 * T * T) * elem)
+    tiled = flops / ((2 * T * d + 2 * T * d * math.ceil(T / block_rows) + T) * elem)
+    assert round(naive) == 32 and round(tiled) == 128 and round(tiled / naive) == 4
+    ridge = next(r for r in gpu_roofs() if "H200" in r.name).ridge
+    assert 195 < ridge < 215 and tiled < ridge
+    text = " ".join(course.cells_by_grade_id(NOTEBOOK)["self_check"].split())
+    assert "from about $d/2 = 32$ to about $B_r = 128$ FLOP per byte in bf16" in text
+    assert "compute-bound" not in text

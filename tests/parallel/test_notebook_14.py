@@ -9,6 +9,8 @@ course-wide notebook tests.
 
 from __future__ import annotations
 
+import math
+
 import llmu  # noqa: F401
 from llmu import course
 from llmu.moe.params import count_parameters
@@ -106,3 +108,22 @@ def test_the_405b_layout_in_memory_and_communication():
 def test_sequence_length_is_T():
     text = _prose("memory_md")
     assert "for sequence length $T$" in text and "sbh" not in text and "5\\,a\\,T" in text
+
+
+def test_zero_table_has_stage_1_reduce_scatter_then_all_gather():
+    """Section 3's table and prose say what llmu.parallel.zero does (test_zero.py counts it): stage 1
+    reduce-scatters the gradients and all-gathers the weights, the bytes of data parallelism."""
+    cell = course.cells_by_grade_id(NOTEBOOK)["zero_md"]
+    rows = {cols[1].strip(): cols[4].strip() for cols in (line.split("|") for line in cell.splitlines())
+            if len(cols) == 6 and cols[1].strip() not in ("stage", "---")}
+    assert list(rows) == ["0 (DP)", "1", "2", "3"]
+    assert rows["0 (DP)"] == "all-reduce of the gradients"
+    for stage in ("1", "2"):
+        assert "reduce-scatter" in rows[stage] and "all-gather" in rows[stage] and "all-reduce" not in rows[stage]
+    text = _prose("zero_md")
+    assert "so stages 1 and 2 move the same bytes as plain data parallelism, $2\\Psi(N-1)/N$ values" in text
+    assert "Stage 3 adds one all-gather of the weights" in text and "1.5 times the traffic" in text
+    # the cost model behind it: a reduce-scatter and an all-gather cost what one ring all-reduce does
+    n, p = 4e9, 8
+    halves = comm.reduce_scatter_time(n, p, comm.NVLINK4) + comm.all_gather_time(n, p, comm.NVLINK4)
+    assert math.isclose(halves, comm.ring_all_reduce_time(n, p, comm.NVLINK4), rel_tol=1e-12)

@@ -25,9 +25,17 @@ an optimizer built over ``zero.parameters()`` (the shards) in every stage, and o
 module's own parameters refused; mixed precision (bf16 in every stage, fp16 in stages 1 and 3)
 against casting the float32 masters to the compute dtype by hand, with ``full_gradients()`` equal
 on both ranks and the memory each rank holds against napkin math.
+
+And on 3 ranks, what one step puts on the wire, counted by wrapping the collectives inside the
+ranks: stage 1 reduce-scatters the gradients and all-gathers the weights (no all-reduce), and
+stages 0-2 send the bytes of data parallelism's all-reduce, ``2(N - 1)/N · 4Ψ`` with ``Ψ`` padded;
+stage 3 sends 1.5 times that; ShardedOptimizer what stage 1 sends.
 """
 
 from __future__ import annotations
+
+import collections
+import contextlib
 
 import pytest
 import torch
@@ -36,7 +44,7 @@ import torch.distributed as dist
 import llmu  # noqa: F401  (sets the Triton mode before anything imports triton)
 from llmu.distributed import launch
 from llmu.models import tiny_llama
-from llmu.parallel import zero as Z
+from llmu.parallel import sharded_optimizer, zero as Z
 from llmu.parallel.data_parallel import accumulated_steps, next_token_loss, single_process_steps
 from llmu.parallel.sharded_optimizer import ShardedOptimizer
 
@@ -593,6 +601,144 @@ def test_reduce_order_is_checked():
         Z.ZeRO(_model(), 1, reduce_order="ring")
     with pytest.raises(ValueError, match="reduce_order must be one of"):
         ShardedOptimizer(_model().parameters(), torch.optim.SGD, lr=0.1, reduce_order=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# what a step puts on the wire: stages 1 and 2 send the bytes of plain data parallelism
+# ---------------------------------------------------------------------------------------------
+#
+# ZeRO's stage 1 (Rajbhandari et al. 2020, P_os) reduce-scatters the gradients (each rank receives
+# the sum of its own slice), updates that slice and all-gathers the parameters: a ring all-reduce
+# cut in two around the update, 2(N - 1)/N · 4Ψ bytes sent per rank in float32 (Ψ padded), exactly
+# what data parallelism's all-reduce sends. All-reducing the whole gradient and then all-gathering
+# the parameters would send 3(N - 1)/N · 4Ψ. Stage 2 sends what stage 1 sends; stage 3 gathers each
+# unit's weights twice (before its forward and before its backward): 3(N - 1)/N · 4Ψ.
+
+#: Bytes one rank sends in one step, in units of (N - 1)/N of the padded float32 model (4Ψ).
+WIRE_SHARES = {0: 2, 1: 2, 2: 2, 3: 3}
+
+#: The collectives a step issues, per unit of ZeRO (per parameter group of ShardedOptimizer).
+CALLS_PER_UNIT = {0: {"all-reduce": 1}, 1: {"reduce-scatter": 1, "all-gather": 1},
+                  2: {"reduce-scatter": 1, "all-gather": 1}, 3: {"reduce-scatter": 1, "all-gather": 2}}
+
+
+@contextlib.contextmanager
+def _collectives(module):
+    """Count, in this process, the collectives issued while the block runs. ``calls``: those
+    ``module`` (zero.py or sharded_optimizer.py) calls itself, ``"all-reduce"``, ``"reduce-scatter"``
+    or ``"all-gather"``. ``sent``: the bytes this rank puts on the wire in the torch.distributed
+    primitives underneath, as a bandwidth-optimal ring or all-to-all sends them: (N - 1)/N of the
+    whole buffer for a reduce-scatter, an all-gather or an all-to-all, twice that for an all-reduce."""
+    from llmu.parallel import ordered_reduce
+
+    world = dist.get_world_size()
+    calls, sent, undo = [], [], []
+
+    def share(t):
+        return t.numel() * t.element_size() * (world - 1) // world
+
+    def wrap(owner, name, kind, wire=None):
+        if not hasattr(owner, name):
+            return
+        original = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            if kind is not None:
+                calls.append(kind)
+            if wire is not None:
+                sent.append(wire(*args))
+            return original(*args, **kwargs)
+
+        setattr(owner, name, counted)
+        undo.append((owner, name, original))
+
+    wrap(module, "reduce_scatter_in_rank_order", "reduce-scatter")   # its all-to-all is counted below
+    wrap(module, "all_reduce_in_rank_order", "all-reduce")           # an all-to-all and an all-gather below
+    wrap(module, "_reduce_scatter", "reduce-scatter", lambda out, full, *rest: share(full))
+    wrap(module, "_all_gather", "all-gather", lambda full, mine, *rest: share(full))
+    wrap(dist, "all_reduce", "all-reduce", lambda t, *rest: 2 * share(t))
+    wrap(dist, "all_to_all_single", None, lambda out, full, *rest: share(full))
+    wrap(ordered_reduce, "_all_gather", None, lambda full, mine, *rest: share(full))
+    try:
+        yield calls, sent
+    finally:
+        for owner, name, original in reversed(undo):
+            setattr(owner, name, original)
+
+
+#: A tiny Llama whose units are not multiples of 3 long: on 3 ranks every flat buffer is padded.
+PADDED_MODEL = {"hidden_size": 40}
+
+
+def _on_the_wire(rank, world):
+    shard = _batch().chunk(world)[rank]
+    out = {}
+    for order in ("rank", "collective"):
+        for stage in Z.STAGES:
+            zero = Z.ZeRO(_model(**PADDED_MODEL), stage, lr=LR, reduce_order=order)
+            with _collectives(Z) as (calls, sent):
+                next_token_loss(zero, shard).backward()
+                zero.step()
+            out[order, stage] = {"calls": collections.Counter(calls), "sent": sum(sent),
+                                 "padded": zero.padded_params, "units": len(zero.units), "numel": zero.num_params}
+    model = _model(**PADDED_MODEL)
+    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR)
+    with _collectives(sharded_optimizer) as (calls, sent):
+        next_token_loss(model, shard).backward()
+        opt.step()
+    out["ShardedOptimizer"] = {"calls": collections.Counter(calls), "sent": sum(sent),
+                               "padded": sum(fg.padded for fg in opt.flat_groups), "units": len(opt.flat_groups)}
+
+    # gradients that arrive after a reduction (full_gradients() read half-way through an accumulation)
+    # are added to its result: stage 1 ends where stage 2 does, bit for bit
+    ids = torch.randint(97, (2 * world, SEQ), generator=torch.Generator().manual_seed(2))
+    final = {}
+    for stage in (1, 2):
+        zero = Z.ZeRO(_model(), stage, lr=LR)
+        for _ in range(2):
+            zero.zero_grad()
+            next_token_loss(zero, ids[rank:rank + 1]).backward()
+            zero.full_gradients()
+            next_token_loss(zero, ids[world + rank:world + rank + 1]).backward()
+            zero.step()
+        final[stage] = zero.full_parameters()
+    out["stage 1 vs 2, accumulating after a reduction"] = _differ(final[1], final[2])
+    return out
+
+
+@pytest.fixture(scope="module")
+def on_the_wire():
+    return launch(_on_the_wire, 3)        # 3 ranks: (N - 1)/N is not 1/2, and every unit is padded
+
+
+def test_stage_1_sends_the_bytes_of_data_parallelism(on_the_wire):
+    world = len(on_the_wire)
+    problems = []
+    for rank, out in enumerate(on_the_wire):
+        assert out["rank", 0]["padded"] == out["rank", 0]["numel"] + 2 * out["rank", 0]["units"], "padding"
+        for key, got in out.items():
+            if not isinstance(got, dict):
+                continue
+            stage = 1 if key == "ShardedOptimizer" else key[1]
+            where = f"rank {rank}, {key if key == 'ShardedOptimizer' else f'stage {stage}, reduce_order={key[0]!r}'}"
+            want_calls = {kind: n * got["units"] for kind, n in CALLS_PER_UNIT[stage].items()}
+            if dict(got["calls"]) != want_calls:
+                problems.append(f"{where}: issued {dict(got['calls'])}, expected {want_calls}")
+            # (N - 1)/N of 4 bytes per padded parameter, per share; every unit is a multiple of N long
+            want_bytes = WIRE_SHARES[stage] * 4 * got["padded"] * (world - 1) // world
+            if got["sent"] != want_bytes:
+                problems.append(f"{where}: sent {got['sent']} bytes, expected {want_bytes} "
+                                f"({WIRE_SHARES[stage]} x (N - 1)/N x 4 bytes x {got['padded']} padded parameters)")
+    # data parallelism's all-reduce volume, the same in stages 0, 1 and 2
+    sent = {stage: on_the_wire[0]["rank", stage]["sent"] for stage in Z.STAGES}
+    if not (sent[0] == sent[1] == sent[2] and 2 * sent[3] == 3 * sent[0]):
+        problems.append(f"bytes sent per stage {sent}: stages 0-2 should send the same, stage 3 1.5 times that")
+    assert not problems, "\n".join(problems)
+
+
+def test_stage_1_accumulates_gradients_after_a_reduction(on_the_wire):
+    for rank, out in enumerate(on_the_wire):
+        assert not out["stage 1 vs 2, accumulating after a reduction"], rank
 
 
 # ---------------------------------------------------------------------------------------------

@@ -229,3 +229,14 @@ def test_grouped_order_example():
     written = ", ".join(f"({i}, {j})" for i, j in order)
     assert written == "(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (2, 1)"
     assert f"programs 0 to 5 compute tiles (row, column) {written}" in _flat("ex5_md")
+
+
+def test_the_decode_steps_memory_roof_is_tens_of_milliseconds_here():
+    """Section 5b: 538 MB at the 27 GB/s this course's 2-core machine copies is 20 ms, not "a few"."""
+    from llmu.models import LlamaConfig
+
+    weights = LlamaConfig().num_parameters() * 4
+    text = " ".join(_prose("decode_step_md").split())
+    assert f"{weights / 1e6:.0f} MB at 27 GB/s" in text
+    assert f"is {weights / 27e9 * 1e3:.0f} ms" in text and "takes tens of milliseconds" in text
+    assert "a few milliseconds" not in text

@@ -112,3 +112,13 @@ def test_early_exit_agrees_less_often_than_it_costs(cells):
             assert alpha < cost, row
             assert max(expected_tokens_per_step(alpha, g) / (g * cost + 1) for g in range(1, 9)) < 1, row
     assert "best = [max(expected_tokens_per_step(agree, g) / (g * cost + 1) for g in range(1, 9))" in cells["early_exit"]
+
+
+def test_a_sixth_of_the_bytes_at_a_third_of_the_rate_is_half_the_time(cells):
+    """Section 3's 4-bit draft: time = bytes / rate, so (1/6) / (1/3) of a float32 step's reading."""
+    from fractions import Fraction
+
+    text = prose(cells, "quant_draft_read")
+    assert Fraction(1, 6) / Fraction(1, 3) == Fraction(1, 2)
+    assert "a sixth of the bytes at a third of the rate takes half the time" in text
+    assert "more than a third of the time" not in text
