@@ -4,12 +4,15 @@ and llmu's own ``pool_kv_heads``, ``mla_absorbed_scores`` or ``kv_bytes_per_toke
 an answer scores nothing.
 
 The exercises are ``ex1`` (mean-pooling KV heads), ``ex2`` (the absorbed MLA score, which its
-test cell checks on MLA layers it builds itself: random float64 weights, no model) and ``ex3``
-(KV bytes per token). The whole notebook (SmolLM2's perplexity after pooling, the kernel demo, the
+test cell checks on MLA layers it builds itself: random float64 weights, no model), ``ex3``
+(KV bytes per token) and ``ex4`` (MLA's decode step with the latent cache and the absorbed
+matrices, checked in float32 against the unabsorbed layer over the whole sequence). The whole notebook (SmolLM2's perplexity after pooling, the kernel demo, the
 benchmark) is executed by the course-wide notebook tests.
 """
 
 from __future__ import annotations
+
+import pytest
 
 import llmu  # noqa: F401
 from llmu import course
@@ -21,6 +24,8 @@ EXERCISES = {
     "ex1": course.Exercise.numbered(1),
     "ex2": course.Exercise("ex2_solution", ("test_ex2",)),
     "ex3": course.Exercise("ex3_solution", ("test_ex3",)),
+    # the text lets the learner reuse exercise 2's absorbed_scores
+    "ex4": course.Exercise.numbered(4, before=["ex2_solution"]),
 }
 
 
@@ -49,6 +54,24 @@ WRONG = {
     "ex3: MQA with kv_heads": ("ex3", '"MQA": 2 * head_dim', '"MQA": 2 * kv_heads * head_dim', "test_ex3"),
     "ex3: one layer": ("ex3", "return layers * per_layer * bytes_per_value", "return per_layer * bytes_per_value",
                        "test_ex3"),
+    "ex4: RoPE part of the score left out": ("ex4", "scores = (content + rope) * p.scale",
+                                             "scores = content * p.scale", "test_ex4_visible"),
+    "ex4: scale 1/sqrt(d_h), RoPE dims not counted": ("ex4", "scores = (content + rope) * p.scale",
+                                                      "scores = (content + rope) / math.sqrt(d_h)", "test_ex4_visible"),
+    "ex4: new tokens rotated at positions 0..n-1": ("ex4", "positions = torch.arange(t, t + n, device=x_new.device)",
+                                                    "positions = torch.arange(n, device=x_new.device)",
+                                                    "test_ex4_visible"),
+    "ex4: W_UK split into heads the wrong way": ("ex4", "w_uk = p.w_uk.view(d_c, h, d_h).permute(1, 0, 2)",
+                                                 "w_uk = p.w_uk.view(h, d_c, d_h)", "test_ex4_visible"),
+    "ex4: W_UK absorbed as W_UV (values with the key matrix)": (
+        "ex4", "w_uv = p.w_uv.view(d_c, h, d_h)", "w_uv = p.w_uk.view(d_c, h, d_h)", "test_ex4_visible"),
+    "ex4: no causal mask among the new tokens": ("ex4", 'scores.masked_fill(future, float("-inf"))', "scores",
+                                                 "test_ex4_hidden"),
+    "ex4: mask relative to the new tokens only (T forgotten)": (
+        "ex4", "[None, :] > positions[:, None]", "[None, :] > torch.arange(n)[:, None]", "test_ex4_visible"),
+    "ex4: caches not checked": ("ex4", "if tuple(cache_c.shape) != (b, t, p.latent_dim) or "
+                                       "tuple(cache_kr.shape) != (b, t, p.rope_dim):", "if False:", "test_ex4_hidden"),
+    "ex4: n = 0 accepted": ("ex4", "x_new.shape[1] == 0 or ", "", "test_ex4_hidden"),
 }
 
 
@@ -58,6 +81,24 @@ WRONG = {
 (notebook, test_solutions_pass_all_tests, test_wrong_answers_fail,
  test_library_answers_fail) = course.exercise_tests(
     NOTEBOOK, EXERCISES, WRONG)
+
+
+# Exercise 4's wrong answers fail with a message that names what is wrong, not only "values differ".
+EX4_MESSAGES = {
+    "ex4: RoPE part of the score left out": "the score includes the RoPE part",
+    "ex4: scale 1/sqrt(d_h), RoPE dims not counted": "scaled by p.scale = 1/sqrt(d_h + d_r)",
+    "ex4: new tokens rotated at positions 0..n-1": "sits at position T = cache_c.shape[1], not 0",
+    "ex4: W_UK split into heads the wrong way": "head h owns columns [h*d, (h+1)*d)",
+    "ex4: no causal mask among the new tokens": "must not see the new tokens after it",
+    "ex4: caches not checked": "raised RuntimeError",
+    "ex4: n = 0 accepted": "n = 0 new tokens raises ValueError",
+}
+
+
+@pytest.mark.parametrize("case", list(EX4_MESSAGES))
+def test_ex4_wrong_answers_name_the_property(case, notebook, tmp_path):
+    message = str(notebook.check_caught(*WRONG[case], workdir=tmp_path))
+    assert EX4_MESSAGES[case] in message, message
 
 
 # The prose's exercise numbers and figures, checked against the cells and recomputed from llmu's code.
@@ -85,7 +126,7 @@ def test_exercise_numbers_match_grade_ids():
         if course.is_test(c):
             assert gid.startswith(f"test_ex{heading}"), f"{gid} tests exercise {heading}"
             assert f"what='exercise {heading} (" in text
-    assert seen == [1, 2, 3]
+    assert seen == [1, 2, 3, 4]
 
 
 def test_mla_cache_next_to_mha_and_mqa():
