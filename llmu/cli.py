@@ -377,11 +377,10 @@ def lab_env(environ=None) -> dict[str, str]:
     """The environment JupyterLab starts with: this one, with the folder of this Python's scripts
     (``.venv/bin`` in a ``make lab`` set-up) first on ``PATH``, so that a terminal opened in
     JupyterLab finds ``llmu`` (``llmu grade ...``) and this Python without an activated venv."""
+    from llmu.course.settings import path_with_scripts
+
     env = dict(os.environ if environ is None else environ)
-    scripts = os.path.dirname(os.path.abspath(sys.executable))
-    path = env.get("PATH", "")
-    if scripts not in path.split(os.pathsep):
-        env["PATH"] = scripts + (os.pathsep + path if path else "")
+    env["PATH"] = path_with_scripts(env.get("PATH", ""))
     return env
 
 

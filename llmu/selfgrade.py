@@ -477,6 +477,7 @@ def self_grade(notebook: str | os.PathLike, *, solution: str | os.PathLike | Non
             resources={"metadata": {"path": work}}, on_cell_executed=on_cell_executed,
         )
         skipped = [i for i in code_cells if i in skips]
+        report.skipped = len(skipped)
         say(f"starting a kernel for {path.name} (graded against {solution_path.name}; "
             f"{len(code_cells) - len(skipped)} of {len(code_cells)} code cells run, the others cannot change "
             f"the score; {cell_timeout:g} s each at most" + (f", {memory_mb:g} MiB" if memory_mb else "") + ")")
@@ -499,7 +500,6 @@ def self_grade(notebook: str | os.PathLike, *, solution: str | os.PathLike | Non
             cell = nb.cells[index]
             gid = _grade_id(cell)
             if index in skips:
-                report.skipped += 1
                 say(course.cell_line(n, len(code_cells), gid, None, "left out: " + skips[index]))
                 continue
             t0 = time.perf_counter()

@@ -351,3 +351,36 @@ def notebook_runs():
         return rec
 
     return types.SimpleNamespace(record=_record_run, errors=notebook_errors, check_solution=check_solution)
+
+
+# ---------------------------------------------------------------------------------------------
+# A clock the test moves: what depends on time is checked without depending on the machine's load
+# ---------------------------------------------------------------------------------------------
+
+
+class FakeClock:
+    """Stands in for the ``time`` module of the code under test: ``perf_counter()`` and
+    ``monotonic()`` read ``now``, which moves by ``tick`` at each read and by :meth:`advance`.
+    Keep ``tick`` and the advances binary fractions (2**-10 s) and every sum stays exact."""
+
+    def __init__(self, tick: float = 0.0):
+        self.now, self.tick = 0.0, tick
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def perf_counter(self) -> float:
+        self.now += self.tick
+        return self.now
+
+    monotonic = perf_counter
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """``fake_clock(module, tick=0.0)``: a :class:`FakeClock` put in place of ``module.time``."""
+    def install(module, tick: float = 0.0) -> FakeClock:
+        clock = FakeClock(tick)
+        monkeypatch.setattr(module, "time", clock)
+        return clock
+    return install

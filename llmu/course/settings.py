@@ -190,12 +190,18 @@ def _scripts_on_path() -> None:
     ``make test`` does) that script is not on PATH, and every gradebook step fails with
     ``FileNotFoundError: 'alembic'``.
     """
+    os.environ["PATH"] = path_with_scripts(os.environ.get("PATH", ""))
+
+
+def path_with_scripts(path: str) -> str:
+    """``path`` (a ``PATH`` value) with the folder of this interpreter's scripts first (``.venv/bin``
+    in a ``make lab`` set-up), unless it is already on it."""
     import sys
 
     scripts = os.path.dirname(os.path.abspath(sys.executable))
-    parts = os.environ.get("PATH", "").split(os.pathsep)
-    if scripts not in parts:
-        os.environ["PATH"] = os.pathsep.join([scripts, *parts])
+    if scripts in path.split(os.pathsep):
+        return path
+    return scripts + (os.pathsep + path if path else "")
 
 
 def _api(config):

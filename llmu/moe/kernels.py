@@ -69,21 +69,15 @@ argument (``TypeError`` for a wrong dtype). In the interpreter, bfloat16 is refu
 bfloat16 matmul); float32 and float16 work everywhere.
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001  (kernel lines are part of Triton's compile hash)
 
 import torch
 import triton
 import triton.language as tl
 
 from llmu import runtime
-from llmu.checks import (
-    FLOAT_DTYPES,
-    require_positive,
-    require_power_of_two,
-    require_same_device,
-    require_same_dtype,
-    require_tensor,
-)
+from llmu.checks import (FLOAT_DTYPES, require_positive, require_power_of_two, require_same_device,
+                         require_same_dtype, require_tensor)
 from llmu.moe import reference
 
 __all__ = ["permute", "unpermute", "grouped_gemm", "grouped_gemm_dw", "moe_triton", "sort_by_expert", "gather_rows",

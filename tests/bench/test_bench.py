@@ -243,25 +243,11 @@ def test_time_cpu_measures_a_known_delay():
     assert stats["n_samples"] == 3
 
 
-class _Clock:
-    """A ``perf_counter`` that moves only when :meth:`call` runs, by ``seconds`` each time."""
-
-    def __init__(self, seconds: float):
-        self.now, self.seconds = 0.0, seconds
-
-    def perf_counter(self) -> float:
-        return self.now
-
-    def call(self) -> None:
-        self.now += self.seconds
-
-
-def test_time_cpu_reports_milliseconds_per_call(monkeypatch):
+def test_time_cpu_reports_milliseconds_per_call(fake_clock):
     """Every call lasts exactly 2**-12 s on a clock the test moves: the figures must be that, in ms.
     A wrong unit, or a sample not divided by its inner loop (here about 20 calls long), shows."""
-    clock = _Clock(2.0**-12)                     # a binary fraction: the sums are exact
-    monkeypatch.setattr(runner_mod, "time", clock)
-    stats = bench.time_cpu(clock.call, repeats=3)
+    clock = fake_clock(runner_mod)
+    stats = bench.time_cpu(lambda: clock.advance(2.0**-12), repeats=3)
     assert stats["ms"] == stats["ms_min"] == stats["ms_max"] == 1e3 * 2.0**-12
     assert stats["n_samples"] == 3
 

@@ -36,23 +36,12 @@ def _run(coroutine):
     return result["value"]
 
 
-class _Clock:
-    """The monotonic clock ``poll_in_slices`` reads, moved only by the channel's waits: what the
-    tests check then does not depend on how busy the machine is."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-
 class _Channel:
     """A channel whose message arrives at ``ready_at`` on ``clock``; each get_msg call returns it
     only if it has arrived, after waiting at most its own timeout (as a zmq poll does when it does
     see the socket). Waiting moves the clock forward instead of sleeping."""
 
-    def __init__(self, clock: _Clock, ready_at: float):
+    def __init__(self, clock, ready_at: float):
         self.clock, self.ready_at = clock, ready_at
         self.timeouts: list[float] = []
 
@@ -61,17 +50,16 @@ class _Channel:
         await asyncio.sleep(0)          # a real await: the coroutine yields to the event loop
         wait = max(0.0, self.ready_at - self.clock.now)
         if timeout is not None and wait > timeout:
-            self.clock.now += timeout
+            self.clock.advance(timeout)
             raise Empty
-        self.clock.now += wait
+        self.clock.advance(wait)
         return {"msg_type": "execute_reply"}
 
 
 @pytest.fixture
-def clock(monkeypatch):
-    fake = _Clock()
-    monkeypatch.setattr(kernel_client, "time", fake)
-    return fake
+def clock(fake_clock):
+    """The monotonic clock ``poll_in_slices`` reads, moved only by the channel's waits."""
+    return fake_clock(kernel_client)
 
 
 # Slices and times are binary fractions (1/16 s, 5/16 s, 7/32 s), so the clock's sums are exact.

@@ -30,25 +30,14 @@ def test_measure_machine_is_positive_and_consistent():
     assert torch.get_num_threads() >= 1
 
 
-class _Clock:
-    """A clock that advances ``tick`` seconds each time it is read, whatever the machine does."""
-
-    def __init__(self, tick: float):
-        self.now, self.tick = 0.0, tick
-
-    def perf_counter(self) -> float:
-        self.now += self.tick
-        return self.now
-
-
-def test_the_budget_bounds_the_timed_loops(monkeypatch):
+def test_the_budget_bounds_the_timed_loops(fake_clock):
     """How many runs the budget allows, on a clock the test controls (not the machine's, whose speed
     depends on its load). A timed run reads the clock twice (start, end), plus once for the budget
     check after the first three runs: each run costs 2 or 3 ticks, so a roof's half of the budget,
     ``half`` ticks, allows between ``half / 3`` and ``half / 2 + 1`` runs. Every run lasts exactly
     one tick, which gives the rates exactly."""
     tick = 2.0**-10                             # a power of two: the clock's sums are exact
-    monkeypatch.setattr(machine, "time", _Clock(tick))
+    fake_clock(machine, tick)                   # each read of the clock moves it one tick
     budget = 2.0
     m = measure_machine(budget_s=budget, matmul_n=64, copy_mb=1)
     half = budget / 2 / tick                    # each roof's share of the budget, in ticks
@@ -57,7 +46,7 @@ def test_the_budget_bounds_the_timed_loops(monkeypatch):
     assert m.peak_flops == 2 * 64**3 / tick
     assert m.bandwidth == 2 * m.copy_bytes / tick
     # a budget too large for the cap: the loops stop at MAX_RUNS runs
-    monkeypatch.setattr(machine, "time", _Clock(2.0**-20))
+    fake_clock(machine, 2.0**-20)
     capped = measure_machine(budget_s=budget, matmul_n=16, copy_mb=1)
     assert capped.runs_matmul == capped.runs_copy == MAX_RUNS
 
