@@ -18,6 +18,10 @@ for a class, for one learner and without a gradebook:
 4. score each graded test cell: its points when it ran without an error, else 0, and group the
    cells into the exercises of the notebook (the ``### Exercise N · Title (a + b points)``
    headings; without headings, by the test cells' names).
+5. a written answer (a markdown cell a person grades: an experiment's analysis, say) is not
+   scored here: the report says whether it holds an answer yet and, after the attempt, shows the
+   rubric a grader applies (from the instructor notebook), so a learner studying alone can grade
+   it against the rubric. In a class the instructor grades it (nbgrader's formgrader).
 
 The result is a per-exercise table (:func:`format_report`) in which a failed check shows its own
 message in full under its exercise (which property broke, by how much, and where to look),
@@ -55,6 +59,8 @@ WATCH_INTERVAL_S = 0.2
 
 #: Cell outcomes, as the table prints them.
 PASSED, FAILED, TIMED_OUT, NOT_RUN, MISSING = "passed", "failed", "timed out", "not run", "missing"
+#: A written answer's outcome: answered (to be graded by a person), or still the stub.
+WRITTEN, UNANSWERED = "written", "not answered yet"
 
 class SelfGradeError(ValueError):
     """Self-grading cannot start: a bad path, or no instructor notebook matches the learner's."""
@@ -80,6 +86,10 @@ class CellOutcome:
     #: Why it lost its points: the check's whole message, the timeout, the kernel's death.
     message: str = ""
     seconds: float | None = None
+    #: A written answer (graded by a person, never here): its rubric, and the words the learner wrote.
+    written: bool = False
+    rubric: str = ""
+    words: int = 0
 
 
 @dataclass
@@ -93,17 +103,27 @@ class ExerciseResult:
 
     @property
     def score(self) -> float:
-        return sum(c.score for c in self.cells)
+        """Points of the auto-graded cells (a written answer is graded by a person)."""
+        return sum(c.score for c in self.cells if not c.written)
 
     @property
     def max_score(self) -> float:
-        return sum(c.points for c in self.cells)
+        return sum(c.points for c in self.cells if not c.written)
+
+    @property
+    def written(self) -> list[CellOutcome]:
+        """The exercise's written answers."""
+        return [c for c in self.cells if c.written]
+
+    @property
+    def written_points(self) -> float:
+        return sum(c.points for c in self.written)
 
     @property
     def status(self) -> str:
-        """One line: ``passed`` when every cell passed, else the first lost cell's status and the
-        first line of its message (:attr:`messages` has them in full)."""
-        lost = next((c for c in self.cells if c.status != PASSED), None)
+        """One line: ``passed`` when every auto-graded cell passed, else the first lost cell's
+        status and the first line of its message (:attr:`messages` has them in full)."""
+        lost = next((c for c in self.cells if c.status != PASSED and not c.written), None)
         if lost is None:
             return PASSED
         first = _first_line(lost.message)
@@ -113,7 +133,8 @@ class ExerciseResult:
     def messages(self) -> list[str]:
         """The whole message of every cell that lost points, in order, each once (the visible and
         the hidden test of an unanswered exercise say the same thing)."""
-        return list(dict.fromkeys(c.message for c in self.cells if c.status != PASSED and c.message))
+        return list(dict.fromkeys(c.message for c in self.cells
+                                  if c.status != PASSED and c.message and not c.written))
 
 
 @dataclass
@@ -135,6 +156,11 @@ class SelfGradeReport:
     @property
     def max_score(self) -> float:
         return sum(e.max_score for e in self.exercises)
+
+    @property
+    def written_points(self) -> float:
+        """Points of the written answers, which a person grades (not in :attr:`max_score`)."""
+        return sum(e.written_points for e in self.exercises)
 
     @property
     def cells(self) -> dict[str, CellOutcome]:
@@ -217,7 +243,10 @@ def _exercises_of(solution_nb) -> list[ExerciseResult]:
     """
     exercises: list[ExerciseResult] = []
     for heading, cells in course.exercise_groups(solution_nb.cells):
-        outcomes = [CellOutcome(_grade_id(c), float(course.nbgrader_meta(c).get("points") or 0)) for c in cells]
+        outcomes = [CellOutcome(_grade_id(c), float(course.nbgrader_meta(c).get("points") or 0),
+                                written=course.is_written(c),
+                                rubric=course.rubric_of(c.source) if course.is_written(c) else "")
+                    for c in cells]
         if heading is not None:
             exercises.append(ExerciseResult(f"{heading['number']} · {heading['title'].strip() or 'exercise'}", outcomes,
                                             int(heading["number"])))
@@ -249,6 +278,32 @@ def prepare(learner_nb, solution_nb) -> tuple[object, list[str]]:
             restored["outputs"], restored["execution_count"] = [], None
             nb.cells[i] = restored
     return nb, [g for g in tests if g not in seen]
+
+
+def _answer_words(learner_cell, solution_cell) -> int:
+    """How many words the learner wrote in a written answer: the cell's words once the question
+    (the instructor's text around the solution region, wherever it stands) and the stub are taken
+    out, so that a cell that only repeats the question holds no answer."""
+    before, _, after = course.solution_region(solution_cell.source) or ("", "", "")
+    text = learner_cell.source
+    for given in (before.strip(), after.strip(), course.TEXT_STUB):
+        if given:
+            text = text.replace(given, " ")
+    return len(re.findall(r"\w+", text))
+
+
+def _written_outcomes(learner_nb, solution_nb, outcomes: dict[str, CellOutcome]) -> None:
+    """Fill in the written answers' outcomes from the learner's notebook (never scored here)."""
+    solution_cells = {_grade_id(c): c for c in solution_nb.cells if course.is_written(c)}
+    learner_cells = {_grade_id(c): c for c in learner_nb.cells if c.cell_type == "markdown"}
+    for gid, outcome in outcomes.items():
+        if not outcome.written:
+            continue
+        if gid not in learner_cells:
+            outcome.status, outcome.message = MISSING, "this written answer's cell is not in your notebook"
+            continue
+        outcome.words = _answer_words(learner_cells[gid], solution_cells[gid])
+        outcome.status = WRITTEN if outcome.words else UNANSWERED
 
 
 def exercise_numbers(nb) -> dict[int, int]:
@@ -456,6 +511,7 @@ def self_grade(notebook: str | os.PathLike, *, solution: str | os.PathLike | Non
     for gid in missing:
         if gid in outcomes:
             outcomes[gid].status, outcomes[gid].message = MISSING, "this test cell is not in your notebook"
+    _written_outcomes(learner_nb, solution_nb, outcomes)
     skips = {} if all_cells else cells_to_skip(nb, solution_nb, exercise)
 
     t_start = time.perf_counter()
@@ -532,7 +588,7 @@ def self_grade(notebook: str | os.PathLike, *, solution: str | os.PathLike | Non
             say(course.cell_line(n, len(code_cells), gid, seconds, status))
     if report.stopped:
         for o in outcomes.values():
-            if o.status == NOT_RUN and not o.message:
+            if o.status == NOT_RUN and not o.message and not o.written:
                 o.message = report.stopped
     report.seconds = time.perf_counter() - t_start
     return report
@@ -559,12 +615,18 @@ def format_report(report: SelfGradeReport, width: int | None = None) -> str:
     w_pts = max([len("points"), *map(len, pts)])
     lines = [f"{'exercise':<{w_ex}}  {'points':>{w_pts}}  status"]
     for exercise, points in zip(report.exercises, pts):
-        lost = next((c for c in exercise.cells if c.status != PASSED), None)
-        lines.append(f"{exercise.title:<{w_ex}}  {points:>{w_pts}}  {lost.status if lost else PASSED}")
+        lost = next((c for c in exercise.cells if c.status != PASSED and not c.written), None)
+        status = lost.status if lost else PASSED
+        if exercise.written:
+            status += f"; written answer ({exercise.written_points:g} points): graded by a person"
+        lines.append(f"{exercise.title:<{w_ex}}  {points:>{w_pts}}  {status}")
         for message in exercise.messages:
             lines += _wrap_message(message, width, indent=" " * 4)
     total = f"{report.score:g} / {report.max_score:g}"
-    lines.append(f"{'total':<{w_ex}}  {total:>{w_pts}}")
+    lines.append(f"{'total':<{w_ex}}  {total:>{w_pts}}"
+                 + (f"  auto-graded; {report.written_points:g} more points for written answers, "
+                    "graded by a person" if report.written_points else ""))
+    lines += _written_section(report, width)
     if report.stopped:
         lines.append("")
         lines += textwrap.wrap(f"The run stopped early: {report.stopped}.", width)
@@ -581,6 +643,26 @@ def format_report(report: SelfGradeReport, width: int | None = None) -> str:
         for note in notes:
             lines += textwrap.wrap(note, width)
     return "\n".join(lines)
+
+
+def _written_section(report: SelfGradeReport, width: int) -> list[str]:
+    """The written answers: whether each holds an answer, then the rubric a grader applies."""
+    written = [(e, c) for e in report.exercises for c in e.written]
+    if not written:
+        return []
+    lines = ["", *textwrap.wrap("Written answers are not graded by this command: in a class your instructor "
+                                "grades them; studying alone, grade yours against the rubric below.", width)]
+    for exercise, cell in written:
+        if cell.status == WRITTEN:
+            state = f"you wrote {cell.words} word{'s' if cell.words != 1 else ''}"
+        elif cell.status == MISSING:
+            state = cell.message
+        else:
+            state = f"not answered yet (the cell still says {course.TEXT_STUB!r})"
+        lines.append("")
+        lines += textwrap.wrap(f"Exercise {exercise.title}, {cell.grade_id} ({cell.points:g} points): {state}.", width)
+        lines += _wrap_message(cell.rubric or "(the instructor notebook gives no rubric)", width, indent=" " * 4)
+    return lines
 
 
 def _wrap_message(message: str, width: int, indent: str) -> list[str]:

@@ -68,6 +68,7 @@ from .links import (  # noqa: F401
 )
 from .notebooks import (  # noqa: F401
     HELPER_CELL,
+    RUBRIC_HEADING,
     Exercise,
     NotebookExercises,
     answer_from_solution,
@@ -78,9 +79,12 @@ from .notebooks import (  # noqa: F401
     is_grade,
     is_solution,
     is_test,
+    is_written,
     library_answer_cheat,
     nbgrader_meta,
     own_work_calls_in,
+    rubric_of,
+    rubric_points,
     setup_namespace,
     solution_region,
     without_hidden_tests,
@@ -97,6 +101,7 @@ from .paths import (  # noqa: F401
     END_SOLUTION,
     RELEASE_DIR,
     SOURCE_DIR,
+    TEXT_STUB,
     TIMEOUT_ERROR,
     CourseError,
     _looks_like_course_root,

@@ -46,6 +46,9 @@ class StudentResult:
     #: ``{"<notebook>/<grade_id>": message}`` for each graded cell that raised: what its failed
     #: check says (:func:`failure_message`).
     messages: dict = field(default_factory=dict)
+    #: ``"<notebook>/<grade_id>"`` of each written answer that waits for a person's grade (it
+    #: counts 0 until then). nbgrader gives an unchanged answer 0 itself: it does not wait.
+    pending: list = field(default_factory=list)
 
 
 def _timed_out_cells(autograded_dir: Path) -> list[str]:
@@ -117,6 +120,8 @@ def _collect(config, aid: str, student: str) -> StudentResult:
         for nb in sub.notebooks:
             for g in nb.grades:
                 result.grades[f"{nb.name}/{g.name}"] = (g.score, g.max_score)
+                if g.needs_manual_grade:
+                    result.pending.append(f"{nb.name}/{g.name}")
     graded = Path(coursedir.format_path(coursedir.autograded_directory, student, aid))
     result.timed_out = _timed_out_cells(graded)
     result.messages = _failure_messages(graded)
@@ -159,7 +164,7 @@ def lost_points(results: Mapping[str, StudentResult], width: int | None = None) 
     rows = []
     for s, r in results.items():
         for key, (sc, mx) in r.grades.items():
-            if sc is not None and mx and sc < mx:
+            if sc is not None and mx and sc < mx and key not in r.pending:
                 message = r.messages.get(key, "")
                 rows.append((s, key.split("/", 1)[-1], f"{sc:g} / {mx:g}",
                              message.splitlines()[0].strip() if message else "(no error in the graded notebook)"))
@@ -175,6 +180,12 @@ def format_summary(results: Mapping[str, StudentResult], seconds: float, width: 
     how many failed and how long it took."""
     lost = lost_points(results, width)
     head = ["Points lost, with the first line of each failed test's message:", *lost, ""] if lost else []
+    pending = [(s, key.split("/", 1)[-1]) for s, r in results.items() for key in r.pending]
+    if pending:
+        head += [f"Written answers waiting for a person's grade ({len(pending)}; each counts 0 until graded):",
+                 *(f"  {s}  {cell}" for s, cell in pending),
+                 "Grade them with autograder/written (the answer and its rubric, then --score), or in "
+                 "nbgrader's formgrader (Manual Grading).", ""]
     failed = [s for s, r in results.items() if not r.success]
     timed_out = sum(len(r.timed_out) for r in results.values())
     line = (f"Graded {len(results)} submission(s) in {_duration(seconds)}: "

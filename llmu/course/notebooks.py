@@ -341,6 +341,36 @@ def is_test(cell) -> bool:
     return cell.get("cell_type") == "code" and bool(m.get("grade")) and not m.get("solution")
 
 
+def is_written(cell) -> bool:
+    """A written answer: a markdown cell that is both an answer and graded, which a person grades
+    (nbgrader's "manually graded answer"). Its solution region holds the model answer and the
+    rubric (:func:`rubric_of`); the student copy keeps the text around it (the question) and gets
+    :data:`TEXT_STUB` in place of the region."""
+    m = nbgrader_meta(cell)
+    return cell.get("cell_type") == "markdown" and bool(m.get("grade")) and bool(m.get("solution"))
+
+
+#: The line that opens a written answer's rubric, inside its solution region.
+RUBRIC_HEADING = re.compile(r"^\*\*Rubric\*\*", re.M)
+#: One rubric item: ``- **2 points** what the answer must say``.
+RUBRIC_ITEM = re.compile(r"^- \*\*(?P<points>\d+(?:\.\d+)?) points?\*\*\s*(?P<text>.+)$", re.M)
+
+
+def rubric_of(source: str) -> str:
+    """The rubric of a written answer's instructor source: the lines of its solution region from
+    the ``**Rubric**`` line on (what a grader looks for; the model answer stands before it).
+    Empty when the cell has no rubric."""
+    region = solution_region(source)
+    body = region[1] if region else source
+    m = RUBRIC_HEADING.search(body)
+    return body[m.start():].strip() if m else ""
+
+
+def rubric_points(rubric: str) -> list[tuple[float, str]]:
+    """The items of a rubric (:func:`rubric_of`): ``[(points, what earns them), ...]``."""
+    return [(float(m["points"]), m["text"].strip()) for m in RUBRIC_ITEM.finditer(rubric)]
+
+
 def solution_region(source: str) -> tuple[str, str, str] | None:
     """Split ``source`` into (before, the solution lines, after) around the solution markers."""
     m = re.search(rf"^([ \t]*){re.escape(BEGIN_SOLUTION)}[^\n]*\n(.*?)^[ \t]*{re.escape(END_SOLUTION)}[^\n]*$",

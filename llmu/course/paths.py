@@ -21,6 +21,8 @@ AUTOGRADER_DIR = "autograder"
 CELL_TIMEOUT = 150
 #: What a solution region becomes in the student copy.
 CODE_STUB = "# YOUR CODE HERE\nraise NotImplementedError()"
+#: What a written answer's solution region becomes in the student copy (nbgrader's default text stub).
+TEXT_STUB = "YOUR ANSWER HERE"
 #: The error nbgrader records in a cell that ran past the per-cell time limit.
 TIMEOUT_ERROR = "CellTimeoutError"
 

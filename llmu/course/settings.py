@@ -13,6 +13,7 @@ from .paths import (
     COURSE_ID,
     RELEASE_DIR,
     SOURCE_DIR,
+    TEXT_STUB,
     CourseError,
     _nbgrader_failure,
     _root,
@@ -65,6 +66,7 @@ def nbgrader_config(root=None, *, timeout: int = CELL_TIMEOUT):
     # A kernel client that cannot sleep through a finished cell's reply (llmu/kernel_client.py).
     c.AsyncKernelManager.client_class = "llmu.kernel_client.SlicedPollKernelClient"
     c.ClearSolutions.code_stub = {"python": CODE_STUB}
+    c.ClearSolutions.text_stub = TEXT_STUB
     # Feedback: nbgrader's ClearHiddenTests strips the hidden tests' source, but a failing hidden
     # test's traceback still quotes its lines; HideHiddenTracebacks (first, while the markers are
     # still there to find) cuts those tracebacks down to the check's own message.

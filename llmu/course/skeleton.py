@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .colab import colab_cell_source
 from .links import CODE_LINK, code_links_source, github_url
-from .notebooks import is_grade, is_test, nbgrader_meta
+from .notebooks import is_grade, is_test, is_written, nbgrader_meta, rubric_of, rubric_points, solution_region
 from .paths import CourseError
 
 #: The markdown cells that close every notebook, in this order: grade_id and heading.
@@ -24,17 +24,18 @@ EXERCISE_HEADING = re.compile(
     re.IGNORECASE,
 )
 def exercise_groups(cells) -> list[tuple[re.Match | None, list]]:
-    """A notebook's graded test cells grouped by the exercise heading above them, in notebook
-    order: ``[(heading match, [cells]), ...]``, each match of :data:`EXERCISE_HEADING` (its
-    ``number``, ``title`` and ``points``). Test cells before the first heading come first, under
-    ``None``. A heading with no test cell under it keeps an empty list. ``cells`` are a
+    """A notebook's graded cells (test cells and written answers) grouped by the exercise heading
+    above them, in notebook order: ``[(heading match, [cells]), ...]``, each match of
+    :data:`EXERCISE_HEADING` (its ``number``, ``title`` and ``points``). Graded cells before the
+    first heading come first, under ``None``. A heading with no graded cell under it keeps an
+    empty list. ``cells`` are a
     notebook's cells (nbformat nodes or plain dictionaries)."""
     groups: list[tuple[re.Match | None, list]] = [(None, [])]
     for cell in cells:
         if cell["cell_type"] == "markdown":
             source = "".join(cell["source"])
             groups += [(m, []) for m in filter(None, map(EXERCISE_HEADING.match, source.splitlines()))]
-        elif is_test(cell):
+        if is_test(cell) or is_written(cell):
             groups[-1][1].append(cell)
     return groups if groups[0][1] else groups[1:]
 
@@ -102,6 +103,22 @@ def skeleton_problems(path) -> list[str]:
             problems.append(f"exercise {n}: the heading says {stated} points, its graded cells give {got}")
     if sum(got for _, _, got in exercises) != graded_points:
         problems.append("some graded cells come before the first exercise heading")
+    # -- written answers: the question stays in the student copy, the rubric's points add up
+    for cell, gid, text in zip(cells, ids, src):
+        if not is_written(cell):
+            continue
+        region = solution_region(text)
+        if region is None or not region[0].strip():
+            problems.append(f"written answer {gid!r}: the question must stand before '### BEGIN SOLUTION' "
+                            "(the student copy keeps it; the region holds the model answer and the rubric)")
+            continue
+        items = rubric_points(rubric_of(text))
+        if not items:
+            problems.append(f"written answer {gid!r}: its solution region needs a '**Rubric**' line followed by "
+                            "items '- **N points** what earns them'")
+        elif sum(p for p, _ in items) != nbgrader_meta(cell).get("points"):
+            problems.append(f"written answer {gid!r}: the rubric gives {sum(p for p, _ in items):g} points, "
+                            f"the cell is worth {nbgrader_meta(cell).get('points')}")
     # -- the closing cells
     want = [gid for gid, _ in CLOSING_CELLS]
     if ids[-len(want):] != want:

@@ -21,6 +21,9 @@
   (``count_parameters``, ``flops_per_token``, ``with_experts``; Mixtral-8x7B's 46.7B / 12.9B).
 - ``train``: a small byte-level MoE language model trained on CPU, recording every expert's load
   at every step (``train``, ``load_stats``), for the collapse-versus-balance experiment.
+- ``balance``: auxiliary-loss-free balancing (DeepSeek-V3): ``BiasBalancer``, a per-expert bias
+  that only the top-k choice sees, moved by a fixed step against each expert's load after every
+  training step (``train(balancer=...)``); layers take any such rule as ``select``.
 - ``bench``: the ``moe_gather_rows``, ``moe_grouped_gemm``, ``moe_grouped_gemm_fine`` and ``moe_layer`` entries.
 - ``expert_parallel``: the same layer with its experts spread over ``W`` ``torch.distributed``
   processes (``ExpertParallelMoE``, ``expert_parallel_moe``): tokens go to their experts' ranks

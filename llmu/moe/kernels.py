@@ -557,7 +557,7 @@ _BLOCK_KEYWORDS = ("block_m", "block_n", "block_k")
 
 def moe_triton(x, router_weight=None, w_gate=None, w_up=None, w_down=None, k: int | None = None, *,
                router_logits=None, w_gate_up=None, renormalize: bool = True,
-               capacity_factor: float | None = None, **blocks):
+               capacity_factor: float | None = None, select=None, **blocks):
     """The MoE feed-forward on the kernels above: ``(y, aux)``, as :func:`reference.moe_reference`.
 
     The router (a ``(T, H) x (H, E)`` matmul, softmax, top-k, capacity, losses) is the reference's
@@ -598,7 +598,7 @@ def moe_triton(x, router_weight=None, w_gate=None, w_up=None, w_down=None, k: in
     if x2.shape[-1] > 1 and x2.stride(-1) != 1:
         x2 = x2.contiguous()
     aux = reference.route(x2, router_weight, k, router_logits=router_logits, renormalize=renormalize,
-                          capacity_factor=capacity_factor)
+                          capacity_factor=capacity_factor, select=select)
     experts = torch.where(aux.dropped, -1, aux.experts)
     # Step 1: one copy of each kept (token, choice) row, grouped by expert
     x_sorted, order, _, offsets = permute(x2, experts, num_experts)

@@ -46,6 +46,10 @@ class MoEFeedForward(nn.Module):
     permute, grouped GEMMs, unpermute), or ``None``: Triton when kernels are compiled on a GPU and
     the input is there, torch otherwise (on CPU the interpreter runs every program in numpy: slow).
     Both paths are differentiable and take the same routing decisions.
+
+    ``select``: None (top-k of the probabilities), or another top-k rule, a callable
+    ``select(logits (T, E)) -> (weights, experts)``; ``llmu.moe.train.train(balancer=...)`` sets
+    it to choose experts with a per-expert bias (auxiliary-loss-free balancing, ``llmu.moe.balance``).
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, k: int, renormalize: bool = True,
@@ -75,6 +79,7 @@ class MoEFeedForward(nn.Module):
             self.w_up = nn.Parameter(torch.empty(num_experts, intermediate, hidden, **kw))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, intermediate, **kw))
         self.last_aux: MoEAux | None = None
+        self.select = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -103,7 +108,7 @@ class MoEFeedForward(nn.Module):
         else:
             args = (x, self.router.weight, self.w_gate, self.w_up, self.w_down, self.k)
             kw = {}
-        kw.update(renormalize=self.renormalize, capacity_factor=self.capacity_factor)
+        kw.update(renormalize=self.renormalize, capacity_factor=self.capacity_factor, select=self.select)
         if self.resolved_impl(x) == "triton":
             from llmu.moe.kernels import moe_triton  # here, so the torch path never imports Triton
 

@@ -372,7 +372,7 @@ def check_moe_inputs(x, router_weight=None, w_gate=None, w_up=None, w_down=None,
 
 def route(x2: torch.Tensor | None = None, router_weight: torch.Tensor | None = None, k: int | None = None, *,
           router_logits: torch.Tensor | None = None, renormalize: bool = True,
-          capacity_factor: float | None = None, alpha: float = 0.01) -> MoEAux:
+          capacity_factor: float | None = None, alpha: float = 0.01, select=None) -> MoEAux:
     """The router half of an MoE layer on ``x2`` ``(T, H)``: logits (float32), top-k, capacity,
     losses. Shared by :func:`moe_reference` and the Triton path, so both take the same decisions.
 
@@ -380,6 +380,10 @@ def route(x2: torch.Tensor | None = None, router_weight: torch.Tensor | None = N
     ``(..., E)`` as given (flattened to ``(T, E)`` and widened to float32 at least; ``x2`` may then
     be ``None``, and otherwise must have ``T`` rows). Exactly one of ``router_weight`` and
     ``router_logits``. Gradients reach ``router_logits`` through the gate weights and both losses.
+
+    ``select``: another rule for the top-k choice, ``select(logits (T, E)) -> (weights, experts)``
+    (each ``(T, k)``), in place of :func:`top_k_route`'s (``llmu.moe.balance.BiasBalancer``
+    chooses with a per-expert bias); the probabilities and losses are the same either way.
     """
     _exactly_one_router(router_weight, router_logits)
     if k is None:
@@ -401,6 +405,8 @@ def route(x2: torch.Tensor | None = None, router_weight: torch.Tensor | None = N
                              f"got shape {tuple(router_logits.shape)}")
     num_experts, num_tokens = logits.shape[-1], logits.shape[0]
     weights, experts, probs = top_k_route(logits, k, renormalize=renormalize)
+    if select is not None:
+        weights, experts = _checked_selection(select(logits), num_tokens, k, num_experts)
     capacity = None
     if capacity_factor is not None and num_tokens > 0:
         capacity = expert_capacity(num_tokens, num_experts, k, capacity_factor)
@@ -416,9 +422,28 @@ def route(x2: torch.Tensor | None = None, router_weight: torch.Tensor | None = N
     )
 
 
+def _checked_selection(chosen, num_tokens: int, k: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a ``select`` rule returned, checked: ``(weights, experts)``, each ``(T, k)``, experts
+    int64 in ``[0, E)`` and different within a token."""
+    if not (isinstance(chosen, (tuple, list)) and len(chosen) == 2
+            and all(isinstance(t, torch.Tensor) for t in chosen)):
+        raise TypeError("select must return (weights, experts), two tensors of shape (T, k)")
+    weights, experts = chosen
+    for name, t in (("weights", weights), ("experts", experts)):
+        if tuple(t.shape) != (num_tokens, k):
+            raise ValueError(f"select returned {name} of shape {tuple(t.shape)}, expected (T, k) = ({num_tokens}, {k})")
+    if experts.dtype != torch.int64:
+        raise TypeError(f"select returned experts of dtype {experts.dtype}, expected torch.int64")
+    if num_tokens and (experts.min() < 0 or experts.max() >= num_experts):
+        raise ValueError(f"select returned experts outside [0, E = {num_experts})")
+    if k > 1 and num_tokens and (experts.sort(dim=-1).values.diff(dim=-1) == 0).any():
+        raise ValueError("select returned the same expert twice for one token")
+    return weights, experts
+
+
 def moe_reference(x, router_weight=None, w_gate=None, w_up=None, w_down=None, k: int | None = None, *,
                   router_logits=None, w_gate_up=None, renormalize: bool = True,
-                  capacity_factor: float | None = None):
+                  capacity_factor: float | None = None, select=None):
     """The MoE feed-forward, one expert at a time: ``(y, aux)``.
 
     ``x``: ``(..., H)``; ``router_weight``: ``(E, H)``; ``w_gate``, ``w_up``: ``(E, F, H)``;
@@ -427,8 +452,8 @@ def moe_reference(x, router_weight=None, w_gate=None, w_up=None, w_down=None, k:
     ``(T, E)``); instead of ``w_gate`` and ``w_up``, ``w_gate_up=`` ``(E, 2F, H)``, gate rows
     first (``torch.cat([w_gate, w_up], dim=1)``; the module docstring relates it to transformers'
     ``gate_up_proj``). The fused weight is read through two views (:func:`split_gate_up`), so the
-    result is the one of the separate weights, to the bit. Arguments are checked by
-    :func:`check_moe_inputs`.
+    result is the one of the separate weights, to the bit. ``select``: another top-k rule (see
+    :func:`route`). Arguments are checked by :func:`check_moe_inputs`.
 
     For each expert ``e``: find the kept assignments ``(t, j)`` with ``experts[t, j] == e``,
     gather those rows of ``x``, run ``swiglu(x_e, w_gate[e], w_up[e], w_down[e])``, and add
@@ -443,7 +468,7 @@ def moe_reference(x, router_weight=None, w_gate=None, w_up=None, w_down=None, k:
         w_gate, w_up = split_gate_up(w_gate_up)
     x2 = x.reshape(-1, x.shape[-1])
     aux = route(x2, router_weight, k, router_logits=router_logits, renormalize=renormalize,
-                capacity_factor=capacity_factor)
+                capacity_factor=capacity_factor, select=select)
     kept = ~aux.dropped
     y = torch.zeros(x2.shape, dtype=_wide(x2).dtype, device=x.device)
     for e in range(num_experts):

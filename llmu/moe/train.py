@@ -21,7 +21,9 @@ the router's demand; each row sums to 1). The loss it minimises is
         + \\beta\\, \\overline{(\\operatorname{logsumexp} z)^2}\\big),
 
 with ``aux_weight`` = :math:`\\alpha` (Switch Transformer's load-balancing loss) and
-``z_weight`` = :math:`\\beta` (ST-MoE's router z-loss). With ``aux_weight=0`` nothing pushes the
+``z_weight`` = :math:`\\beta` (ST-MoE's router z-loss). ``balancer`` balances without a loss
+term instead (``llmu.moe.balance``: a per-expert bias that only the top-k choice sees, moved
+after every step against its expert's load). With ``aux_weight=0`` nothing pushes the
 router towards balance, and the experts that happen to win early get more tokens, learn more and
 win more: the load drifts towards a few experts (how far depends on the scale and the number of
 steps; the notebook measures it). With ``aux_weight=0.01`` the load stays near ``1/E``.
@@ -37,6 +39,7 @@ Everything is seeded: the same arguments on the same machine and thread count gi
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -206,7 +209,7 @@ def _batches(tokens: torch.Tensor, batch_size: int, seq_len: int, steps: int, ge
 
 def train(aux_weight: float = 0.01, z_weight: float = 0.0, *, steps: int = 300, batch_size: int = 16,
           seq_len: int = 64, lr: float = 3e-3, seed: int = 0, text: str = "essays",
-          config: TinyMoEConfig | None = None) -> TrainResult:
+          config: TinyMoEConfig | None = None, balancer=None) -> TrainResult:
     """Train a :class:`TinyMoELM` on ``llmu.data.text(text)`` and record loss and expert load per step.
 
     ``aux_weight``: :math:`\\alpha` of the load-balancing loss (0 switches it off); ``z_weight``:
@@ -214,7 +217,12 @@ def train(aux_weight: float = 0.01, z_weight: float = 0.0, *, steps: int = 300, 
     runs that differ only in ``aux_weight`` start from the same model and see the same data (the
     caller's global random state is left as it was). The defaults are notebook 12's runs: 300
     steps of 16 windows of 64 bytes, AdamW at ``lr = 3e-3``, a few seconds each on one CPU thread.
-    Returns a :class:`TrainResult`.
+
+    ``balancer``: an object with ``select(layer, logits) -> (weights, experts)``, the top-k rule of
+    MoE layer ``layer`` (``logits`` ``(T, E)``; weights and experts ``(T, k)``), and
+    ``update(load)``, called after every optimizer step with the step's loads ``(layers, E)``
+    (each row the experts' shares of the token copies, summing to 1);
+    ``llmu.moe.balance.BiasBalancer`` is one. Returns a :class:`TrainResult`.
     """
     from llmu.data import byte_tokens, text as load_text
 
@@ -226,6 +234,8 @@ def train(aux_weight: float = 0.01, z_weight: float = 0.0, *, steps: int = 300, 
     if not (isinstance(lr, (int, float)) and lr > 0):
         raise ValueError(f"lr must be a positive number, got {lr!r}")
     config = config or TinyMoEConfig()
+    if balancer is not None and not all(callable(getattr(balancer, m, None)) for m in ("select", "update")):
+        raise TypeError(f"balancer must have methods select(layer, logits) and update(load), got {balancer!r}")
     if seq_len > config.max_len:
         raise ValueError(f"seq_len ({seq_len}) must be at most config.max_len ({config.max_len})")
     tokens = byte_tokens(load_text(text))
@@ -235,6 +245,9 @@ def train(aux_weight: float = 0.01, z_weight: float = 0.0, *, steps: int = 300, 
     with torch.random.fork_rng(devices=[]):                  # the initial weights, from `seed` only
         torch.manual_seed(seed)
         model = TinyMoELM(config)
+    if balancer is not None:                                 # each MoE layer chooses through the balancer
+        for i, block in enumerate(model.blocks):
+            block.moe.select = functools.partial(balancer.select, i)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     data = torch.Generator().manual_seed(seed + 1)           # the batches
 
@@ -256,10 +269,13 @@ def train(aux_weight: float = 0.01, z_weight: float = 0.0, *, steps: int = 300, 
         aux_losses.append(balance.mean().item())
         z_losses.append(z.mean().item())
         loads.append(torch.stack([a.tokens_per_expert.float() / copies for a in aux]))
+        if balancer is not None:
+            balancer.update(loads[-1].clone())
     seconds = time.perf_counter() - t0
 
     settings = dict(aux_weight=aux_weight, z_weight=z_weight, steps=steps, batch_size=batch_size,
-                    seq_len=seq_len, lr=lr, seed=seed, text=text)
+                    seq_len=seq_len, lr=lr, seed=seed, text=text,
+                    balancer=None if balancer is None else repr(balancer))
     return TrainResult(loss=torch.tensor(losses), aux_loss=torch.tensor(aux_losses), z_loss=torch.tensor(z_losses),
                        load=torch.stack(loads), seconds=seconds, config=asdict(config), settings=settings,
                        model=model)

@@ -9,6 +9,9 @@
   published MFUs (PaLM's table, Llama 3 405B);
 - :mod:`llmu.scale.serving`: dollars per million tokens, and the roofline ceilings of decode
   (memory-bound) and prefill (compute-bound) tokens/s;
+- :mod:`llmu.scale.isoflop`: a scaling law fitted from your own runs (Hoffmann et al.'s approach
+  2): an isoFLOP grid of small byte-level models trained on this CPU in about a minute, a
+  parabola in ``ln N`` per budget, and power laws through the optima;
 - :mod:`llmu.scale.bench`: the ``train_step`` benchmark entry.
 
 Course notebook: ``15_scale``. There is no Triton kernel in this module: it measures and prices

@@ -54,7 +54,7 @@ UNSUBMITTED = "98_unsubmitted"
 FIGURE_CELL = ('import plotly.graph_objects as go\n'
                'go.Figure(go.Bar(x=[1, 2], y=[3, 4]), layout={"title": {"text": "my bars<br><sup>per call</sup>"}}).show()')
 FIGURE_NOTE = 'Interactive figure "my bars - per call": not drawn on this page; open the notebook in JupyterLab to see it.'
-NAMES = ("release", "collect", "autograde", "feedback", "export")
+NAMES = ("release", "collect", "autograde", "feedback", "export", "written")
 #: What a clone's autograder/ holds (git-tracked), copied into the temporary checkout.
 TRACKED = (*NAMES, "_common.py", "nbgrader_config.py", "README.md")
 IN_VENV = sys.prefix != sys.base_prefix

@@ -181,6 +181,9 @@ def test_nbgrader_metadata(path):
             assert text.count(course.BEGIN_SOLUTION) == text.count(course.END_SOLUTION) >= 1, \
                 f"{where}: a solution cell needs ### BEGIN SOLUTION / ### END SOLUTION"
             assert course.solution_region(text), f"{where}: END SOLUTION must follow BEGIN SOLUTION"
+        elif course.is_written(cell):  # a written answer: the question, then the model answer and rubric
+            assert text.count(course.BEGIN_SOLUTION) == text.count(course.END_SOLUTION) == 1 \
+                and course.solution_region(text), f"{where}: a written answer needs one solution region"
         else:
             assert course.BEGIN_SOLUTION not in text, f"{where}: solution markers outside a solution cell"
         if course.BEGIN_HIDDEN in text or course.END_HIDDEN in text:

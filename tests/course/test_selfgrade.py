@@ -126,7 +126,8 @@ def test_bad_arguments_are_named(fixture_root, tmp_path):
 
 
 def test_exercises_follow_the_headings_of_every_course_notebook():
-    """Each exercise heading's "(a + b points)" equals the points of the graded cells grouped under it."""
+    """Each exercise heading's "(a + b points)" equals the points of the graded cells grouped under it
+    (test cells and written answers)."""
     import re
 
     checked = 0
@@ -136,14 +137,15 @@ def test_exercises_follow_the_headings_of_every_course_notebook():
                     for c in nb.cells
                     if c.cell_type == "markdown" and any(map(course.EXERCISE_HEADING.match, c.source.splitlines()))]
         exercises = selfgrade._exercises_of(nb)
-        assert sum(len(e.cells) for e in exercises) == sum(course.is_test(c) for c in nb.cells), src.name
+        assert sum(len(e.cells) for e in exercises) == sum(course.is_test(c) or course.is_written(c) for c in nb.cells), \
+            src.name
         if not headings:  # grouped by test name instead
             continue
         assert len(exercises) == len(headings), (src.name, [e.title for e in exercises], headings)
         for heading, ex in zip(headings, exercises):
             stated = re.search(r"\(([\d\s+]+) points?\)", heading)
             if stated:
-                assert sum(int(x) for x in stated[1].split("+")) == ex.max_score, (src.name, heading)
+                assert sum(int(x) for x in stated[1].split("+")) == ex.max_score + ex.written_points, (src.name, heading)
                 checked += 1
     assert checked >= 10, "fewer exercise headings than expected: did the heading format change?"
 

@@ -10,6 +10,8 @@ out-of-bounds access reads or writes whatever memory is there.
 
 from __future__ import annotations
 
+import pytest
+
 import llmu  # noqa: F401  (Triton mode first: the exercise kernel is defined below)
 from llmu import course
 
@@ -21,6 +23,7 @@ EXERCISES = {
     "ex2": course.Exercise.numbered(2),
     "ex3": course.Exercise.numbered(3),
     "ex4": course.Exercise("ex4_kernel", ("test_ex4_visible", "test_ex4_hidden"), after=("ex4_launcher",)),
+    "ex5": course.Exercise.numbered(5),
 }
 
 
@@ -55,6 +58,22 @@ WRONG = {
     "ex4: row tile not scaled": ("ex4", "rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)",
                                  "rows = tl.program_id(0) + tl.arange(0, BLOCK_M)", "test_ex4_visible"),
     "ex4: X addressed with Y's stride": ("ex4", "src[:, None] * stride_x", "src[:, None] * stride_y", "test_ex4_hidden"),
+    "ex5: the bias in the gate weights": ("ex5", "weights = probs.gather(-1, experts)",
+                                          "weights = (probs + self.bias[layer]).gather(-1, experts)", "test_ex5_visible"),
+    "ex5: no bias in the choice": ("ex5", "(probs + self.bias[layer]).topk", "probs.topk", "test_ex5_visible"),
+    "ex5: layer 0's bias for every layer": ("ex5", "(probs + self.bias[layer]).topk", "(probs + self.bias[0]).topk",
+                                            "test_ex5_visible"),
+    "ex5: never renormalised": ("ex5", "        if self.renormalize:\n            weights = weights / weights.sum(dim=-1, keepdim=True)\n",
+                                "", "test_ex5_visible"),
+    "ex5: always renormalised": ("ex5", "        if self.renormalize:\n", "        if True:\n", "test_ex5_hidden"),
+    "ex5: updated by the size of the imbalance": ("ex5", "self.rate * torch.sign(fair - load.detach().float())",
+                                                  "self.rate * (fair - load.detach().float())", "test_ex5_visible"),
+    "ex5: updated towards the load": ("ex5", "torch.sign(fair - load.detach().float())",
+                                      "torch.sign(load.detach().float() - fair)", "test_ex5_visible"),
+    "ex5: weights detached": ("ex5", "weights = probs.gather(-1, experts)", "weights = probs.gather(-1, experts).detach()",
+                              "test_ex5_hidden"),
+    "ex5: rate not checked": ("ex5", "not (math.isfinite(rate) and rate > 0)", "rate < 0", "test_ex5_hidden"),
+    "ex5: load's shape not checked": ("ex5", " or load.shape != self.bias.shape", "", "test_ex5_hidden"),
 }
 
 
@@ -63,6 +82,39 @@ WRONG = {
 (notebook, test_solutions_pass_all_tests, test_wrong_answers_fail,
  test_library_answers_fail) = course.exercise_tests(
     NOTEBOOK, EXERCISES, WRONG)
+
+
+# -- exercise 5's experiment: graded on the outcome of a run the grader trains itself --------------
+# (the solution's rate passes it in the course-wide run of the whole notebook)
+
+def _experiment(notebook, workdir, rate: str | None = None):
+    """Run exercise 5's experiment cell (its rate replaced by ``rate``) and then its test cell, on
+    the instructor's class; section 5's two runs stand in as 2-step runs (the cell only prints them).
+    Each costs two 300-step trainings: the learner's run and the grader's own."""
+    import torch
+
+    from llmu.moe.train import train
+
+    ns = notebook.namespace("ex5", workdir)
+    ns["runs"] = {a: train(aux_weight=a, steps=2, batch_size=2, seq_len=8) for a in (0.0, 0.01)}
+    cell = notebook.cells["ex5_experiment"]
+    if rate is not None:
+        assert "MY_RATE = 3e-3" in cell, "the solution's rate changed: update this test"
+        cell = cell.replace("MY_RATE = 3e-3", f"MY_RATE = {rate}")
+    threads = torch.get_num_threads()
+    try:
+        course.exec_cell(cell, ns, workdir, "ex5_experiment")
+        course.exec_cell(notebook.cells["test_ex5_experiment"], ns, workdir, "test_ex5_experiment")
+    finally:
+        torch.set_num_threads(threads)
+    return ns
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rate, failed", [("1e-4", "balance: the loads' cv"), ("0.03", "quality: the LM loss")])
+def test_the_experiment_fails_a_rate_too_small_or_too_large(notebook, tmp_path, rate, failed):
+    with pytest.raises(AssertionError, match=failed):
+        _experiment(notebook, tmp_path, rate)
 
 
 # -- the figures the prose states, recomputed from llmu.moe (no model) ----------------------------

@@ -18,6 +18,7 @@ NOTEBOOK = course.repo_root() / "solutions" / "15_scale" / "15_scale.ipynb"
 
 
 EXERCISES = {f"ex{n}": course.Exercise.numbered(n) for n in (1, 2, 3, 4)}
+EXERCISES["ex5"] = course.Exercise.numbered(5, after=("ex5_helpers",))
 
 
 WRONG = {
@@ -56,6 +57,18 @@ WRONG = {
     "ex4: KV cache ignored": ("ex4", "(weights + batch * context * kv)", "weights", "test_ex4_hidden"),
     "ex4: one cache for the batch": ("ex4", "batch * context * kv", "context * kv", "test_ex4_hidden"),
     "ex4: compute roof ignored": ("ex4", "max(memory_s, compute_s)", "memory_s", "test_ex4_hidden"),
+    "ex5: log10 instead of ln": ("ex5", "math.log(run.params)", "math.log10(run.params)", "test_ex5_visible"),
+    "ex5: N_opt left as ln N": ("ex5", "n_opt.append(math.exp(x_min))", "n_opt.append(x_min)", "test_ex5_visible"),
+    "ex5: b taken equal to a": ("ex5", "b, _ = np.polyfit(np.log(budgets), np.log(d_opt), 1)", "b = a", "test_ex5_visible"),
+    "ex5: the lowest run instead of the vertex": ("ex5", "x_min = -p1 / (2 * p2)", "x_min = x[np.argmin(y)]",
+                                                  "test_ex5_hidden"),
+    "ex5: k left as ln k": ("ex5", '"k": math.exp(ln_k)', '"k": ln_k', "test_ex5_hidden"),
+    "ex5: budgets in the order met": ("ex5", "budgets, n_opt = sorted(profiles), []", "budgets, n_opt = list(profiles), []",
+                                      "test_ex5_hidden"),
+    "ex5: a hill accepted": ("ex5", "        if p2 <= 0:\n", "        if False:\n", "test_ex5_hidden"),
+    "ex5: a vertex outside the sizes accepted": ("ex5", "        if not x.min() <= x_min <= x.max():\n", "        if False:\n",
+                                                 "test_ex5_hidden"),
+    "ex5: a single budget accepted": ("ex5", "    if len(profiles) < 2:\n", "    if False:\n", "test_ex5_hidden"),
 }
 
 
@@ -85,3 +98,20 @@ def test_each_letter_keeps_one_meaning():
         maths = maths.replace(r"\partial L", "")  # the loss
         assert not re.search(r"(?<![\\\w])[BL](?!\w)", maths), f"{grade_id}: B or L used for a batch or layers: {maths}"
     assert "B = 410.7" in cells["chin_md"]
+
+
+def test_the_experiment_audit_catches_losses_that_training_does_not_give(notebook, tmp_path):
+    """Exercise 5's experiment is graded on the learner's runs, audited: the grader trains the
+    cheapest run again and its loss must be the recorded one, to the bit. Runs whose losses were
+    written by hand (here: the published law's, on the default plan) fail that audit."""
+    import pytest
+
+    from llmu.grading import CheckFailed
+    from llmu.scale import chinchilla, isoflop
+
+    ns = notebook.namespace("ex5", tmp_path)
+    plan = isoflop.isoflop_grid()
+    ns["my_runs"] = [isoflop.IsoRun(r.config, r.budget, r.params, r.steps, r.batch, r.seq_len,
+                                    loss=chinchilla.HOFFMANN_2022.loss(r.params, r.tokens)) for r in plan]
+    with pytest.raises(CheckFailed, match="trained again by the grader"):
+        course.exec_cell(notebook.cells["test_ex5_experiment"], ns, tmp_path, "test_ex5_experiment")
