@@ -184,8 +184,8 @@ def test_autograde_leaves_an_answer_for_a_person_and_a_stub_at_zero(graded):
     assert "silent wrong answer" in page and "Rubric" not in page
 
 
-def _written(root: str, *args, ok: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--root", root, *args], capture_output=True, text=True,
+def _written(root: str, *args, ok: bool = True, script: Path = SCRIPT) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(script), "--root", root, *args], capture_output=True, text=True,
                           timeout=300)
     if ok:
         assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -198,6 +198,8 @@ def test_the_written_script_shows_answers_and_records_scores(graded):
     assert f"== ada · {AID} · ex1_written (2 points): waits for a grade" in out
     assert "   | " + ANSWER[:40] in out and "- **1 point** says that the mean" in out
     assert "== bo" not in out and "1 answer(s) wait for a grade" in out
+    export = _written(root, "--to", "before.csv", script=SCRIPT.with_name("export"))
+    assert f"{AID}: written answers of ada wait for a person's grade and count 0" in export.stderr
     assert "== bo · 97_written · ex1_written (2 points): scored 0 (left as the stub)" in _written(root, AID, "--all").stdout
     # a score outside 0..points, an unknown cell and an unknown student are refused, and nothing changes
     for args, message in ((("ada", "ex1_written", "3"), "between 0 and the cell's 2 points, got 3"),
@@ -209,6 +211,9 @@ def test_the_written_script_shows_answers_and_records_scores(graded):
     proc = _written(root, AID, "--score", "ada", "ex1_written", "1.5", "--comment", "names the cause; 0.5 off for NaN")
     assert f"ada: ex1_written scored 1.5; {AID} now 3.5 / 4" in proc.stdout
     assert "no written answer of 97_written waits for a grade" in _written(root, AID).stdout
+    export = _written(root, "--to", "after.csv", script=SCRIPT.with_name("export"))
+    assert "wait for a person's grade" not in export.stderr
+    assert ",ada,,,,3.5,0.0,3.5,4.0,yes" in (Path(root) / "autograder" / "after.csv").read_text()
     from llmu.course.written import written_answers
 
     (ada,) = written_answers(AID, root=root, students=["ada"])
