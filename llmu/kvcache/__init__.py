@@ -8,6 +8,8 @@
   (``decode_recompute``, ``decode_cached``);
 - ``llmu.kvcache.kernels``: the Triton flash-decoding kernel (``decode_attention``, with the
   ``grouped`` switch module 07 benchmarks) and its merge step (``combine_partials``);
+- ``llmu.kvcache.ring``: a sliding-window cache as a ring buffer (``RingKVCache``): the last
+  ``window`` keys and values of each sequence, whatever the context's length;
 - ``llmu.kvcache.bench``: benchmark entries (``kv_cache_decode``, ``decode_attention``).
 
 The cache class itself is ``llmu.models.cache.KVCache`` (the one generation uses).

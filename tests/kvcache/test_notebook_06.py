@@ -3,8 +3,9 @@ pass every test cell, hidden parts included, typical wrong answers fail the cell
 and llmu's own ``cache_update`` or ``attend_cached`` (or the flash-decoding kernel, or PyTorch's
 SDPA) handed back as an answer scores nothing.
 
-Both exercises are plain tensor code checked against ``llmu.kvcache.reference``: the cache update
-exactly, the cached attention step to 1e-5 in float32. The whole notebook (SmolLM2's decoding with
+The exercises are plain tensor code checked against ``llmu.kvcache.reference``: the cache update
+exactly, the cached attention step to 1e-5 in float32, and the sliding-window ring (exercise 3,
+built on exercise 2's step) against attention over each sequence's last ``window`` tokens. The whole notebook (SmolLM2's decoding with
 and without the cache, the calculator, the Triton kernel, the benchmark) is executed by the
 course-wide notebook tests.
 """
@@ -18,6 +19,8 @@ NOTEBOOK = course.repo_root() / "solutions" / "06_kv_cache" / "06_kv_cache.ipynb
 
 
 EXERCISES = {f"ex{n}": course.Exercise.numbered(n) for n in (1, 2)}
+# exercise 3's ring uses exercise 2's my_attend_cached
+EXERCISES["ex3"] = course.Exercise.numbered(3, before=("ex2_solution",), after=("ex3_helpers",))
 
 
 def test_setup_cell_loads_no_model(notebook):
@@ -52,6 +55,18 @@ WRONG = {
                                       "test_ex2_hidden"),
     "ex2: KV heads tiled, not interleaved": ("ex2", "repeat_interleave(h // hkv, dim=1)", "repeat(1, h // hkv, 1, 1)",
                                             "test_ex2_hidden"),
+    "ex3: the ring never wraps (the last slot overwritten)": ("ex3", "slots = self.lengths[rows] % self.window",
+                                                              "slots = self.lengths[rows].clamp(max=self.window - 1)",
+                                                              "test_ex3_visible"),
+    "ex3: every length advanced, active or not": ("ex3", "self.lengths[rows] += 1", "self.lengths += 1", "test_ex3_hidden"),
+    "ex3: active ignored": ("ex3", "rows = torch.arange(want[0]) if active is None else torch.nonzero(active).flatten()",
+                            "rows = torch.arange(want[0])", "test_ex3_hidden"),
+    "ex3: attend over the whole ring from the first token": ("ex3", "self.lengths.clamp(max=self.window)",
+                                                             "torch.full_like(self.lengths, self.window)", "test_ex3_visible"),
+    "ex3: attend before append allowed": ("ex3", "        if bool((self.lengths == 0).any()):\n", "        if False:\n",
+                                          "test_ex3_hidden"),
+    "ex3: shapes not checked": ("ex3", "        if tuple(k.shape) != want or tuple(v.shape) != want:\n", "        if False:\n",
+                                "test_ex3_hidden"),
 }
 
 
