@@ -217,3 +217,25 @@ def test_the_benchmark_times_your_kernel_beside_llmus(notebook, tmp_path):
     assert notebook.check_bench_yours(tmp_path, {"fused_linear_cross_entropy_fwd": "ex8"},
                                       sizes={"fused_linear_cross_entropy_fwd": {"N": 45, "H": 40, "V": 333}}) == \
         {"fused_linear_cross_entropy_fwd": "ok"}
+
+
+def test_the_sweep_audit_catches_a_loss_that_training_does_not_give(notebook, tmp_path):
+    """Exercise 11's sweep is graded on the learner's recorded losses, audited: the grader trains the
+    best run again with the learner's my_train and its held-out loss must be the recorded one, to the
+    bit. A sweep of one real run (1e-2, a few seconds) passes that audit; the same run with a
+    recorded loss nudged by 1e-6 fails it."""
+    import pytest
+
+    from llmu.grading import CheckFailed
+
+    ns = notebook.namespace("ex6", tmp_path)
+    cell = notebook.cells["ex11_experiment"]
+    assert "SWEEP_LRS = [1e-3, 3e-3, 1e-2, 3e-2, 1e-1]" in cell, "the solution's sweep changed: update this test"
+    course.exec_cell(cell.replace("SWEEP_LRS = [1e-3, 3e-3, 1e-2, 3e-2, 1e-1]", "SWEEP_LRS = [1e-2]"), ns, tmp_path,
+                     "ex11_experiment")
+    test = notebook.cells["test_ex11_experiment"]
+    with pytest.raises(CheckFailed, match=r"at least 4 rates \(got 1\)"):       # the audit passed; the sweep is too small
+        course.exec_cell(test, ns, tmp_path, "test_ex11_experiment")
+    ns["my_sweep"] = {1e-2: ns["my_sweep"][1e-2] + 1e-6}
+    with pytest.raises(CheckFailed, match="trained again by the grader"):
+        course.exec_cell(test, ns, tmp_path, "test_ex11_experiment")
