@@ -102,7 +102,8 @@ def test_each_letter_keeps_one_meaning():
 
 def test_the_experiment_audit_catches_losses_that_training_does_not_give(notebook, tmp_path):
     """Exercise 5's experiment is graded on the learner's runs, audited: the grader trains the
-    cheapest run again and its loss must be the recorded one, to the bit. Runs whose losses were
+    cheapest run (first) and one drawn at random again, and their losses must be the recorded ones,
+    to the bit. Runs whose losses were
     written by hand (here: the published law's, on the default plan) fail that audit."""
     import pytest
 
