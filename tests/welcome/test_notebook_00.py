@@ -1,8 +1,8 @@
 """Notebook 00's graded exercises, run in-process (no kernel, no model): the instructor's solutions
 pass every test cell, hidden parts included, and typical wrong answers fail them.
 
-The three exercises are Triton kernels (``add_kernel``, ``softmax_kernel``, ``long_softmax_kernel``)
-that the notebook's locked launchers (``add_launcher``, ``softmax_launcher``, ``long_softmax_launcher``) wrap; the launcher cell runs after the kernel,
+Both exercises are Triton kernels (``add_kernel``, ``softmax_kernel``) that the notebook's locked
+launchers (``add_launcher``, ``softmax_launcher``) wrap; the launcher cell runs after the kernel,
 as in the notebook. The cells make their tensors without naming a device; they are run with
 ``kernel_device()`` as torch's default device (a no-op in the interpreter, cuda when the kernels
 are compiled). The wrong answers keep every access inside the tensors (a kernel that stores past
@@ -24,8 +24,6 @@ EXERCISES = {
     "ex1": course.Exercise("add_kernel", ("test_add_visible", "test_add_hidden"), after=("add_launcher",)),
     "ex2": course.Exercise("softmax_kernel", ("test_softmax_visible", "test_softmax_hidden"),
                            after=("softmax_launcher",)),
-    "ex3": course.Exercise("long_softmax_kernel", ("test_long_softmax_visible", "test_long_softmax_hidden"),
-                           after=("long_softmax_launcher",)),
 }
 
 
@@ -41,21 +39,6 @@ WRONG = {
     "ex2: masked lanes read 0": ("ex2", 'other=-float("inf")', "other=0.0", "test_softmax_hidden"),
     "ex2: row stride taken as n_cols": ("ex2", "x_ptr + row * x_row_stride", "x_ptr + row * n_cols",
                                         "test_softmax_hidden"),
-    "ex3: the sum not rescaled when the maximum grows": ("ex3", "s = s * tl.exp(m - m_safe) +", "s = s +",
-                                                         "test_long_softmax_visible"),
-    "ex3: log-sum-exp without the maximum": ("ex3", "tl.store(lse_ptr + row, m + tl.log(s))",
-                                             "tl.store(lse_ptr + row, tl.log(s))", "test_long_softmax_visible"),
-    "ex3: only the first block read": ("ex3", "    for start in range(0, n_cols, BLOCK_SIZE):\n        mask = start + cols < n_cols\n"
-                                              "        x = tl.load(x_row + start + cols, mask=mask, other=-float(\"inf\"))\n        m_new",
-                                       "    for start in range(0, BLOCK_SIZE, BLOCK_SIZE):\n        mask = start + cols < n_cols\n"
-                                       "        x = tl.load(x_row + start + cols, mask=mask, other=-float(\"inf\"))\n        m_new",
-                                       "test_long_softmax_visible"),
-    "ex3: no guard for a block of -inf": ("ex3", "m_safe = tl.where(m_new == -float(\"inf\"), 0.0, m_new)",
-                                          "m_safe = m_new", "test_long_softmax_hidden"),
-    "ex3: masked lanes read 0": ("ex3", 'mask=mask, other=-float("inf"))\n        m_new', 'mask=mask, other=0.0)\n        m_new',
-                                 "test_long_softmax_hidden"),
-    "ex3: input row stride taken as n_cols": ("ex3", "x_row = x_ptr + row * x_row_stride", "x_row = x_ptr + row * n_cols",
-                                              "test_long_softmax_hidden"),
 }
 
 
