@@ -28,7 +28,7 @@ NOTEBOOK = Path(__file__).resolve().parents[2] / "solutions" / "02_attention" / 
 
 
 EXERCISES = {"ex1": course.Exercise.numbered(1), "ex2": course.Exercise.numbered(2),
-             "ex3": course.Exercise.numbered(3, after=["ex3_launcher"])}
+             "ex3": course.Exercise.numbered(3, after=["ex3_launcher"]), "ex4": course.Exercise.numbered(4)}
 
 
 # Exercise 2's GQA: query head h must use KV head h // (H // Hkv); tiling the KV heads gives it h % Hkv.
@@ -51,6 +51,33 @@ WRONG = {
     "ex3: temperature left out of pass 2": ("ex3", 'mask=mask, other=-float("inf")).to(tl.float32) / temperature',
                                             'mask=mask, other=-float("inf")).to(tl.float32)', "test_ex3_visible"),
     "ex3: NaN on -inf blocks": ("ex3", 'tl.where(m_new == -float("inf"), 0.0, m_new)', "m_new", "test_ex3_hidden"),
+    "ex4: greedy ignored": ("ex4", "    if temperature == 0:\n        return F.one_hot(z.argmax(dim=-1), z.shape[-1]).float()\n",
+                            "    if temperature == 0:\n        temperature = 1.0\n", "test_ex4_visible"),
+    "ex4: top-p drops the token that crosses p": ("ex4", "p.cumsum(dim=-1) - p >= top_p", "p.cumsum(dim=-1) >= top_p",
+                                                 "test_ex4_visible"),
+    "ex4: min-p against the first token, not the largest": ("ex4", "min_p * p.amax(dim=-1, keepdim=True)",
+                                                            "min_p * p[..., :1]", "test_ex4_hidden"),
+    "ex4: top-p before top-k": ("ex4", """    if 0 < top_k < z.shape[-1]:
+        keep = torch.zeros_like(z, dtype=torch.bool).scatter(-1, z.topk(top_k, dim=-1).indices, True)
+        z = z.masked_fill(~keep, float("-inf"))
+    if top_p < 1:
+        sorted_z, order = z.sort(dim=-1, descending=True)
+        p = sorted_z.softmax(dim=-1)
+        drop = torch.zeros_like(z, dtype=torch.bool).scatter(-1, order, p.cumsum(dim=-1) - p >= top_p)
+        z = z.masked_fill(drop, float("-inf"))
+""", """    if top_p < 1:
+        sorted_z, order = z.sort(dim=-1, descending=True)
+        p = sorted_z.softmax(dim=-1)
+        drop = torch.zeros_like(z, dtype=torch.bool).scatter(-1, order, p.cumsum(dim=-1) - p >= top_p)
+        z = z.masked_fill(drop, float("-inf"))
+    if 0 < top_k < z.shape[-1]:
+        keep = torch.zeros_like(z, dtype=torch.bool).scatter(-1, z.topk(top_k, dim=-1).indices, True)
+        z = z.masked_fill(~keep, float("-inf"))
+""", "test_ex4_hidden"),
+    "ex4: top-k keeps every tie at the cut": ("ex4", "keep = torch.zeros_like(z, dtype=torch.bool).scatter(-1, z.topk(top_k, dim=-1).indices, True)",
+                                              "keep = z >= z.topk(top_k, dim=-1).values[..., -1:]", "test_ex4_hidden"),
+    "ex4: temperature after the filters": ("ex4", "    z = z / temperature\n", "", "test_ex4_hidden"),
+    "ex4: bad top_k accepted": ("ex4", "or top_k < 0:", "and top_k < 0:", "test_ex4_hidden"),
 }
 
 
@@ -117,14 +144,16 @@ def test_temperature_is_tau_never_T():
 
 
 def test_intro_presents_the_sampling_filters_as_a_widget():
-    """Softmax with temperature is an exercise; top-k, top-p and min-p are llmu's, shown in a widget."""
+    """Softmax with temperature is an exercise, and so are the filters (exercise 4); the widget shows
+    llmu's own filters on the real model."""
     cells = course.cells_by_grade_id(NOTEBOOK)
     intro = cells["intro"]
     item = intro[intro.index("3. softmax with temperature"):intro.index("4. what SmolLM2")]
     goal = next(line for line in intro.splitlines() if line.startswith("- ") and "top-p" in line)
-    assert "widget" in item and "widget" in goal and not goal.startswith("- Implement softmax with temperature and")
+    assert "widget" in item and "widget" in goal
     assert "sampling.process_logits" in cells["sampling_widget"]
     assert not any(re.search(r"top_k|top_p|min_p", cells[f"ex{n}_solution"]) for n in (1, 2, 3))
+    assert all(name in cells["ex4_solution"] for name in ("top_k", "top_p", "min_p"))
 
 
 def test_the_benchmark_times_your_kernel_beside_llmus(notebook, tmp_path):
