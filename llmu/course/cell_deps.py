@@ -41,6 +41,8 @@ import ast
 import builtins
 import re
 
+from llmu.cell_module import python_of
+
 __all__ = ["cells_to_run", "release_check_skips"]
 
 _OPAQUE_CALLS = {"exec", "eval", "globals", "locals", "vars", "get_ipython", "__import__"}
@@ -285,8 +287,8 @@ class _Cell(ast.NodeVisitor):
 def _cell(source: str) -> _Cell | None:
     """What ``source`` binds and reads; None when it cannot be followed (rule 4)."""
     try:
-        tree = ast.parse(source)
-    except SyntaxError:
+        tree = ast.parse(python_of(source))
+    except (SyntaxError, ValueError):
         return None
     cell = _Cell()
     cell.visit(tree)

@@ -9,6 +9,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmu.cell_module import module_cell, python_of, run_module_cell
+
 from .paths import BEGIN_HIDDEN, BEGIN_SOLUTION, END_HIDDEN, END_SOLUTION
 
 
@@ -33,8 +35,13 @@ def exec_cell(source: str, ns: dict, workdir, name: str = "cell") -> dict:
     """Run a notebook cell's code in the namespace ``ns``, as the notebook's kernel would; return ``ns``.
 
     Code that defines a ``@triton.jit`` kernel is compiled from a file ``workdir/name.py``: Triton
-    reads a kernel's source text back (``inspect``), which needs a file behind the function.
+    reads a kernel's source text back (``inspect``), which needs a file behind the function. A
+    ``%%module NAME`` cell is written to ``workdir/NAME.py`` and imported, as the magic does
+    (:mod:`llmu.cell_module`).
     """
+    if module_cell(source) is not None:         # %%module NAME: a .py file in workdir, imported
+        run_module_cell(source, ns, workdir)
+        return ns
     if "@triton.jit" in source:
         path = Path(workdir) / f"{name}.py"
         path.write_text(source, encoding="utf-8")
@@ -405,7 +412,7 @@ HELPER_CELL = re.compile(r"(launcher|reference|harness|helpers?)$|^finale_model$
 def _bound_and_read(source: str) -> tuple[set[str], set[str]]:
     """Names a cell binds anywhere (arguments and loop variables included), and names it reads."""
     bound, read = set(), set()
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(ast.parse(python_of(source))):
         if isinstance(node, ast.Name):
             (read if isinstance(node.ctx, ast.Load) else bound).add(node.id)
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -432,7 +439,7 @@ def _globals_defined(source: str) -> set[str]:
             elif not isinstance(child, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
                 visit(child)
 
-    visit(ast.parse(source))
+    visit(ast.parse(python_of(source)))
     return names
 
 

@@ -26,6 +26,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmu.cell_module import written_by_magic
+
 from .paths import (
     RELEASE_DIR,
     CourseError,
@@ -246,6 +248,12 @@ def release(assignments: Iterable[str] | None = None, *, root=None, db: bool = T
                                   f"(nothing in course/ was changed).{hint}\nnbgrader: {key}", log)
         if not write_course:
             return out
+        # A %%module cell run in solutions/<x>/ leaves its .py copy there, the solution in it:
+        # nbgrader copied it with the folder's other files, and the learner's own run rewrites it.
+        for aid in todo:
+            for path in _files(Path(stage) / aid).values():
+                if path.suffix == ".py" and written_by_magic(path):
+                    path.unlink()
 
         # Look at every assignment before changing any: a refusal leaves all of course/ as it was.
         plans = [_plan(aid, Path(stage) / aid, course_dir(root) / aid) for aid in todo]

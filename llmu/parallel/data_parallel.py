@@ -56,7 +56,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["DataParallel", "Bucket", "require_process_group", "broadcast_module", "next_token_loss", "single_process_steps",
+__all__ = ["all_reduce_gradients", "DataParallel", "Bucket", "require_process_group", "broadcast_module", "next_token_loss", "single_process_steps",
            "accumulated_steps", "tensors_in", "demo"]
 
 
@@ -108,6 +108,27 @@ def _bucket_bytes(bucket_mb) -> int:
     if not (bucket_mb > 0 and math.isfinite(bucket_mb)):
         raise ValueError(f"bucket_mb must be a positive, finite number of MiB, got {bucket_mb!r}")
     return max(1, int(bucket_mb * 2**20))
+
+
+# ----------------------------------------------------------------------------------------------
+# The naive version
+# ----------------------------------------------------------------------------------------------
+
+
+def all_reduce_gradients(module: nn.Module, group=None) -> None:
+    """Data parallelism at its simplest: after ``backward``, replace every gradient by its average
+    over the ranks, one blocking all-reduce per parameter. Nothing overlaps: the network waits for
+    the whole backward, then the computation waits for the network. A parameter without a
+    gradient (unused in this forward) gets the average of zeros and the other ranks' gradients,
+    as :class:`DataParallel` gives it."""
+    world_size, _ = require_process_group(group)
+    for p in module.parameters():
+        if not p.requires_grad:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, group=group)
+        p.grad.div_(world_size)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -144,6 +144,20 @@ def test_a_learners_own_files_survive_a_release(root):
         assert after.get(rel) == before[rel], f"course/{rel} was lost"
 
 
+def test_a_module_cells_file_in_solutions_is_not_released(root):
+    """An instructor who ran a %%module cell in solutions/ has the solution in NAME.py there;
+    nbgrader would copy it into course/ with the folder's other files."""
+    from llmu.cell_module import write_module
+
+    write_module("my_answer", "SECRET = 42\n", root / course.SOURCE_DIR / AID)
+    (root / course.SOURCE_DIR / AID / "data.py").write_text("VALUES = [1, 2]\n")   # a file of the assignment
+    sys.modules.pop("my_answer", None)
+    p = llmu(root, "release", AID)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert not (root / course.RELEASE_DIR / AID / "my_answer.py").exists()
+    assert (root / course.RELEASE_DIR / AID / "data.py").read_text() == "VALUES = [1, 2]\n"
+
+
 def test_an_unchanged_course_releases_quietly_and_keeps_its_record(root):
     folder = root / course.RELEASE_DIR / AID
     before = snapshot(folder)

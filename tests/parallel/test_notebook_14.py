@@ -20,6 +20,11 @@ NOTEBOOK = course.repo_root() / "solutions" / "14_parallelism" / "14_parallelism
 
 
 EXERCISES = {f"ex{n}": course.Exercise.numbered(n) for n in (1, 2, 3, 4)}
+# Exercise 5, the capstone, is one %%module cell with four graded strategies: one entry per test
+# cell, so that llmu's answer to one strategy is refused by that strategy's cell (the others
+# grade the learner's own classes).
+EXERCISES |= {f"ex5 {part}": course.Exercise("ex5_solution", (f"test_ex5_{part}",), before=("ex5_harness",))
+              for part in ("naive", "overlapped", "bucketed", "zero1")}
 
 
 WRONG = {
@@ -59,6 +64,35 @@ WRONG = {
     "ex4: one phase only": ("ex4", "    for s in range(p - 1):                                   # all-gather",
                             "    for s in range(0):                                       # all-gather",
                             "test_ex4_visible"),
+    "ex5: naive forgets to divide": ("ex5 naive", "            dist.all_reduce(p.grad)\n            p.grad.div_(world)",
+                                     "            dist.all_reduce(p.grad)", "test_ex5_naive"),
+    "ex5: naive all-reduces twice": ("ex5 naive", "            dist.all_reduce(p.grad)\n            p.grad.div_(world)",
+                                     "            dist.all_reduce(p.grad)\n            p.grad.div_(world)\n"
+                                     "            dist.all_reduce(p.grad)\n            p.grad.div_(world)", "test_ex5_naive"),
+    "ex5: overlapped without the broadcast": ("ex5 overlapped", "        _broadcast_from_rank_0(model)\n        self.model, self.world",
+                                              "        self.model, self.world", "test_ex5_overlapped"),
+    "ex5: overlapped all-reduce blocks in the hook": (
+        "ex5 overlapped", "self.works.append(dist.all_reduce(p.grad, async_op=True))", "dist.all_reduce(p.grad)",
+        "test_ex5_overlapped"),
+    "ex5: buckets in the forward order": ("ex5 bucketed", "for p in reversed([p for p in model.parameters() if p.requires_grad]):",
+                                          "for p in [p for p in model.parameters() if p.requires_grad]:", "test_ex5_bucketed"),
+    "ex5: a bucket closed before it exceeds the size": (
+        "ex5 bucketed", "            if not self.buckets or size >= limit:",
+        "            if not self.buckets or size + p.numel() * p.element_size() > limit:", "test_ex5_bucketed"),
+    "ex5: buckets all sent in finish": ("ex5 bucketed", "        self.ready[b] += 1\n",
+                                        "        self.ready[b] += 1\n        return\n", "test_ex5_bucketed"),
+    "ex5: ZeRO-1 forgets to divide": ("ex5 zero1", "self.slice.grad = mine.div_(self.world)", "self.slice.grad = mine",
+                                      "test_ex5_zero1"),
+    "ex5: ZeRO-1 all-reduces the gradients": (
+        "ex5 zero1", "        reduce_scatter(mine, grads)",
+        "        dist.all_reduce(grads)\n        mine.copy_(grads[self.rank * self.shard:(self.rank + 1) * self.shard])",
+        "test_ex5_zero1"),
+    "ex5: ZeRO-1 keeps the whole optimizer": (
+        "ex5 zero1", "        self.optimizer = optimizer_cls([self.slice], **kwargs)",
+        "        self.optimizer = optimizer_cls([self.slice], **kwargs)\n"
+        "        self.full = optimizer_cls(self.params, **{**kwargs, 'lr': 0.0})\n"
+        "        for p in self.params:\n            p.grad = torch.zeros_like(p)\n        self.full.step()",
+        "test_ex5_zero1"),
 }
 
 
