@@ -21,8 +21,10 @@ Functions:
 - :func:`online_softmax`: the softmax of each row of ``x`` in one streaming pass over column blocks
   for the statistics (the 1-D heart of the algorithm);
 - :func:`flash_attention`: the tiled forward, returning ``(out, lse)``;
-- :func:`attention_backward`: the backward formulas given ``(q, k, v, o, lse, do)``, what the
-  Triton backward computes tile by tile;
+- :func:`attention_backward`: the backward formulas given ``(q, k, v, o, lse, do)``, on the
+  whole ``(Tq, Tk)`` matrix at once;
+- :func:`tiled_attention_backward`: the same gradients tile by tile, in FlashAttention-2's order
+  (key blocks outside, query blocks inside: the order of the Triton backward's dK, dV kernel);
 - :func:`naive_hbm_elements` / :func:`flash_hbm_elements`: memory-traffic counts of the two
   algorithms (the notebook plots them).
 """
@@ -40,6 +42,7 @@ __all__ = [
     "online_softmax_stats",
     "flash_attention",
     "attention_backward",
+    "tiled_attention_backward",
     "naive_hbm_elements",
     "flash_hbm_elements",
 ]
@@ -181,6 +184,73 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: floa
     # sum the query heads of each group into their KV head
     dk = dk.reshape(b, hkv, rep, tk, d).sum(dim=2)
     dv = dv.reshape(b, hkv, rep, tk, d).sum(dim=2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def tiled_attention_backward(q, k, v, o, lse, do, *, causal: bool = False, scale: float | None = None,
+                             block_q: int = 64, block_k: int = 64):
+    """The gradients of :func:`attention_backward`, computed one ``(block_q, block_k)`` tile at a time.
+
+    FlashAttention-2's order: the outer loop walks over blocks of keys, and for each keeps ``dK`` and
+    ``dV`` of its block in an accumulator (on a GPU: the registers of one program); the inner loop
+    walks over the blocks of queries, recomputes the tile ``P = exp(S - lse)`` from the saved
+    log-sum-exp, adds the tile's share to ``dK``, ``dV`` and to the rows of ``dQ`` it touches
+    (``dQ`` accumulates across the outer loop: on a GPU an atomic add, or a second pass). ``D =
+    rowsum(dO * O)`` is computed once, before the loops. Under the causal mask (bottom-right
+    aligned: query ``i`` sees keys ``j <= i + Tk - Tq``) a query block whose last query sits
+    before the key block's first key sees none of it and is skipped: nearly half the tiles when
+    ``Tq = Tk``.
+
+    Grouped-query attention: the query heads of a group are processed together, as one block of
+    ``(Hq / Hkv) x block_q`` rows against their shared KV head, and their shares of ``dK``, ``dV``
+    are summed over the group. The largest tensors it creates are the gradients themselves and a
+    few ``(B, Hq, block_q, block_k)`` tiles: never the ``(Tq, Tk)`` matrix. Float32 arithmetic;
+    gradients in the inputs' dtypes.
+    """
+    _check_qkv(q, k, v, causal)
+    for name, val in (("block_q", block_q), ("block_k", block_k)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {val!r}")
+    b, h, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    if tuple(o.shape) != tuple(q.shape) or tuple(do.shape) != tuple(q.shape) or tuple(lse.shape) != (b, h, tq):
+        raise ValueError(f"o and do must have q's shape {tuple(q.shape)} and lse {(b, h, tq)}; got "
+                         f"{tuple(o.shape)}, {tuple(do.shape)}, {tuple(lse.shape)}")
+    g = h // hkv
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    offset = tk - tq                                     # query i sits at key position offset + i
+    # (B, Hkv, G, T, D): the query heads of a group side by side, against their one KV head
+    qf, dof = q.float().reshape(b, hkv, g, tq, d), do.float().reshape(b, hkv, g, tq, d)
+    lsef = lse.float().reshape(b, hkv, g, tq)
+    kf, vf = k.float(), v.float()
+    delta = (dof * o.float().reshape(b, hkv, g, tq, d)).sum(dim=-1)    # D = rowsum(dO * O): (B, Hkv, G, Tq)
+    dq = torch.zeros(b, hkv, g, tq, d, device=q.device)
+    dk = torch.empty(b, hkv, tk, d, device=q.device)
+    dv = torch.empty(b, hkv, tk, d, device=q.device)
+    for k0 in range(0, tk, block_k):                     # outer loop: one block of keys and values
+        kb = kf[:, :, None, k0:k0 + block_k]             # (B, Hkv, 1, bk, D), shared by the group
+        vb = vf[:, :, None, k0:k0 + block_k]
+        cols = torch.arange(k0, k0 + kb.shape[3], device=q.device)
+        dk_acc = torch.zeros(b, hkv, g, kb.shape[3], d, device=q.device)   # this block's dK, dV
+        dv_acc = torch.zeros_like(dk_acc)
+        # causal: query rows i < k0 - offset see no key of this block; start at the block holding the first that does
+        q_start = (max(0, k0 - offset) // block_q) * block_q if causal else 0
+        for q0 in range(q_start, tq, block_q):          # inner loop: one block of queries
+            sl = slice(q0, q0 + block_q)
+            qb, dob = qf[:, :, :, sl], dof[:, :, :, sl]
+            s = (qb @ kb.transpose(-1, -2)) * scale      # (B, Hkv, G, bq, bk): one tile of scores
+            if causal:
+                rows = torch.arange(q0, q0 + qb.shape[3], device=q.device)
+                s = s.masked_fill(cols[None, :] > rows[:, None] + offset, float("-inf"))
+            p = torch.exp(s - lsef[:, :, :, sl, None])   # recomputed from the lse; masked entries exp(-inf) = 0
+            dv_acc += p.transpose(-1, -2) @ dob          # dV += P^T dO
+            dp = dob @ vb.transpose(-1, -2)              # dP = dO V^T
+            ds = p * (dp - delta[:, :, :, sl, None])     # dS = P * (dP - D)
+            dk_acc += ds.transpose(-1, -2) @ qb          # dK += dS^T Q
+            dq[:, :, :, sl] += ds @ kb                   # dQ += dS K (across the outer loop)
+        dk[:, :, k0:k0 + block_k] = dk_acc.sum(dim=2) * scale   # the group's query heads summed
+        dv[:, :, k0:k0 + block_k] = dv_acc.sum(dim=2)
+    dq = (dq * scale).reshape(b, h, tq, d)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
