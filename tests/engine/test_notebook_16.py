@@ -23,6 +23,7 @@ EXERCISES = {
     "ex1": course.Exercise.numbered(1, before=["ex1_reference"]),
     "ex2": course.Exercise.numbered(2, before=["ex2_harness"]),
     "ex3": course.Exercise.numbered(3),
+    "ex4": course.Exercise.numbered(4, before=["ex4_harness"]),
 }
 
 
@@ -52,6 +53,23 @@ WRONG = {
                                      "test_ex3_hidden"),
     "ex3: no stop at the first miss": ("ex3", "            break\n        hits += 1",
                                        "            continue\n        hits += 1", "test_ex3_hidden"),
+    "ex4: one token past max_tokens": ("ex4", "if seq.num_output_tokens >= seq.params.max_tokens:",
+                                       "if seq.num_output_tokens > seq.params.max_tokens:", "test_ex4_visible"),
+    "ex4: finished without the scheduler": ("ex4", 'self.scheduler.finish(seq, "length")', 'seq.finish_reason = "length"',
+                                            "test_ex4_visible"),
+    "ex4: the prompt counted as output": ("ex4", "Sequence(rid, 0, list(prompt_ids), len(prompt_ids),",
+                                          "Sequence(rid, 0, list(prompt_ids), 0,", "test_ex4_visible"),
+    "ex4: a step returns nothing": ("ex4", "            new.append((seq.request_id, token))\n", "", "test_ex4_visible"),
+    "ex4: the eos token kept in the output": ("ex4", '                self.scheduler.finish(seq, "eos")',
+                                              '                seq.token_ids.append(token)\n'
+                                              '                self.scheduler.finish(seq, "eos")', "test_ex4_hidden"),
+    "ex4: eos ends with the wrong reason": ("ex4", 'self.scheduler.finish(seq, "eos")', 'self.scheduler.finish(seq, "length")',
+                                            "test_ex4_hidden"),
+    "ex4: eos ignored": ("ex4", "            if token in self.eos_ids:", "            if False:", "test_ex4_hidden"),
+    "ex4: the pool's last blocks leak": ("ex4", "        self.blocks = BlockManager(num_blocks, block_size, prefix_caching=False)",
+                                         "        self.blocks = BlockManager(num_blocks, block_size, prefix_caching=False)\n"
+                                         "        self.blocks.allocate(-1, list(range(3 * block_size)), 0)",
+                                         "test_ex4_hidden"),
 }
 
 
