@@ -5,9 +5,11 @@ own versions (``llmu.layers.reference``, the Triton kernels, the model's modules
 The hidden tests of exercises 3, 5 and 6 compare with SmolLM2 itself. Exercise 3's test cell gets
 the model from ``load_model()`` itself; exercises 5 and 6 read the model, its config, the tokenizer
 and the prompt from the locked ``finale_model`` cell just before them, so no test reads what a
-demonstration cell (``model_load``, ``model_layout``) defined. Exercises 5 and 6 assemble the
-learner's earlier parts, so those solution cells run first. The whole notebook (widgets, the layout
-experiment, the benchmark) is executed by the course-wide notebook tests.
+demonstration cell (``model_load``, ``model_layout``) defined. Exercise 5 assembles the learner's
+earlier parts, and exercise 6 (the capstone: the decoder as the learner's own modules, loaded with
+SmolLM2 and trained with llmu's AdamW by ``llmu.grading.decoder.train_bytes``) may reuse them, so those
+solution cells run first. The whole notebook (widgets, the layout experiment, the benchmark) is
+executed by the course-wide notebook tests.
 
 The cells make their tensors without naming a device; they are run with ``kernel_device()`` as
 torch's default device (a no-op in the interpreter, cuda when the kernels are compiled, where
@@ -36,8 +38,8 @@ EXERCISES = {
     "ex4": course.Exercise("rms_norm_kernel", ("test_triton_visible", "test_triton_hidden"),
                            after=("rms_norm_launcher",)),                 # my_rms_norm launches the kernel
     "ex5": course.Exercise("decoder_block", ("test_block_visible", "test_block_hidden"), before=(*PARTS, FINALE)),
-    "ex6": course.Exercise("forward", ("test_forward_visible", "test_forward_hidden"),
-                           before=(*PARTS, FINALE, "decoder_block")),
+    "ex6": course.Exercise("ex6_solution", ("test_ex6_visible", "test_ex6_hidden", "test_ex6_training"),
+                           before=(*PARTS, FINALE)),
 }
 
 
@@ -91,12 +93,30 @@ WRONG = {
                                      "test_block_visible"),
     "ex5: layer 0's attention hard-coded": ("ex5", "a = layer.self_attn", "a = model.layers[0].self_attn",
                                             "test_block_hidden"),
-    "ex6: no final norm": ("ex6", "    x = rms_norm(x, model.norm.weight, model.norm.eps)\n", "",
-                           "test_forward_visible"),
-    "ex6: last layer skipped": ("ex6", "for layer in model.layers:", "for layer in model.layers[:-1]:",
-                                "test_forward_visible"),
-    "ex6: first sequence only": ("ex6", "x = model.embed_tokens.weight[ids]",
-                                 "x = model.embed_tokens.weight[ids[:1]]", "test_forward_hidden"),
+    "ex6: init std 1": ("ex6", "torch.empty(d_out, d_in).normal_(0.0, 0.02)", "torch.empty(d_out, d_in).normal_(0.0, 1.0)",
+                        "test_ex6_visible"),
+    "ex6: keys and values as wide as the queries": ("ex6", "self.wk = MyLinear(d_model, n_kv_heads * self.hd)",
+                                                    "self.wk = MyLinear(d_model, n_heads * self.hd)", "test_ex6_visible"),
+    "ex6: KV heads tiled, not grouped": ("ex6", "k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)",
+                                         "k, v = k.repeat(1, group, 1, 1), v.repeat(1, group, 1, 1)", "test_ex6_visible"),
+    "ex6: no causal mask": ("ex6", 'p = scores.masked_fill(future, float("-inf")).softmax(dim=-1)',
+                            "p = scores.softmax(dim=-1)", "test_ex6_visible"),
+    "ex6: interleaved RoPE pairs": ("ex6", 'angles.sin().float(), "half")', 'angles.sin().float(), "interleaved")',
+                                    "test_ex6_visible"),
+    "ex6: gate and up swapped in the mapping": ("ex6", "(mine.mlp.gate.weight, m.gate_proj.weight), (mine.mlp.up.weight, m.up_proj.weight)",
+                                                "(mine.mlp.gate.weight, m.up_proj.weight), (mine.mlp.up.weight, m.gate_proj.weight)",
+                                                "test_ex6_visible"),
+    "ex6: RoPE base fixed at SmolLM2's": ("ex6", "self.head_dim, self.base = head_dim, base",
+                                          "self.head_dim, self.base = head_dim, 1e5", "test_ex6_hidden"),
+    "ex6: eps fixed at 1e-5": ("ex6", "self.weight, self.eps = nn.Parameter(torch.ones(d_model)), eps",
+                               "self.weight, self.eps = nn.Parameter(torch.ones(d_model)), 1e-5", "test_ex6_hidden"),
+    "ex6: tie_embeddings ignored": ("ex6", "self.head = None if tie_embeddings else MyLinear(d_model, vocab_size)",
+                                    "self.head = MyLinear(d_model, vocab_size)", "test_ex6_hidden"),
+    "ex6: no ValueError": ("ex6", "if d_model % n_heads or n_heads % n_kv_heads:", "if False:", "test_ex6_hidden"),
+    "ex6: norm gains frozen": ("ex6", "nn.Parameter(torch.ones(d_model))", "nn.Parameter(torch.ones(d_model), requires_grad=False)",
+                               "test_ex6_training"),
+    "ex6: attention's gradient cut off": ("ex6", "x = x + self.attn(self.norm1(x))", "x = x + self.attn(self.norm1(x)).detach()",
+                                          "test_ex6_training"),
 }
 
 
@@ -111,22 +131,52 @@ WRONG = {
 DELEGATING = {
     # a body that calls the library object the test hands in: nothing to see in the code's names
     "ex5": ("decoder_block", "    return layer(x, cos, sin, backend=model.attention_backend)[0]\n"),
-    "ex6": ("forward", "    return model(ids).logits\n"),
 }
 
+#: Appended to the capstone's solution: a mapping that keeps the llmu model it is handed and a
+#: forward that calls it. No llmu name appears in the code.
+KEEPS_THE_MODEL = """
+def my_load_weights(my_lm, model):
+    my_lm.kept = [model]
+    return my_lm
 
-@pytest.mark.parametrize("exercise", list(DELEGATING))
-def test_calling_the_layer_or_model_handed_in_scores_nothing(exercise, notebook, tmp_path):
-    """``return layer(x, ...)`` or ``return model(ids).logits`` refers to no llmu name, so only the
-    own-work check's ``run`` (the submission run once with the answer classes' forward made to
-    trip) sees it: every test cell of the exercise must fail on it with the own-work message."""
-    cell, body = DELEGATING[exercise]
-    before, _, after = course.solution_region(notebook.cells[cell])
-    source = course.answer_from_solution(before + body + after)
+
+_own_forward = MyLM.forward
+
+
+def _forward_through_the_kept_model(self, ids):
+    if hasattr(self, "kept"):
+        return self.kept[0](ids).logits
+    return _own_forward(self, ids)
+
+
+MyLM.forward = _forward_through_the_kept_model
+"""
+
+
+def _fails_every_test_cell_on_the_call(notebook, exercise, source, tmp_path):
     ns = notebook.namespace(exercise, tmp_path, source)
     for test in notebook.exercises[exercise].tests:
         with pytest.raises(AssertionError, match="while it ran, your code called llmu.models.llama"):
             course.exec_cell(notebook.cells[test], ns, tmp_path, test)
+
+
+@pytest.mark.parametrize("exercise", list(DELEGATING))
+def test_calling_the_layer_handed_in_scores_nothing(exercise, notebook, tmp_path):
+    """``return layer(x, ...)`` refers to no llmu name, so only the own-work check's ``run`` (the
+    submission run once with the answer classes' forward made to trip) sees it: every test cell of
+    the exercise must fail on it with the own-work message."""
+    cell, body = DELEGATING[exercise]
+    before, _, after = course.solution_region(notebook.cells[cell])
+    _fails_every_test_cell_on_the_call(notebook, exercise, course.answer_from_solution(before + body + after), tmp_path)
+
+
+def test_a_decoder_that_runs_the_model_it_was_loaded_from_scores_nothing(notebook, tmp_path):
+    """The capstone's ``my_load_weights`` that keeps llmu's model, and a ``MyLM.forward`` that calls
+    it, pass every logit comparison; the own-work check runs the mapping and the forward on a small
+    llmu decoder with its forward made to trip, and every test cell fails on it."""
+    source = course.answer_from_solution(notebook.cells["ex6_solution"]) + KEEPS_THE_MODEL
+    _fails_every_test_cell_on_the_call(notebook, "ex6", source, tmp_path)
 
 
 def test_the_benchmark_times_your_kernel_beside_llmus(notebook, tmp_path):
