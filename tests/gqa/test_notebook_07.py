@@ -6,8 +6,11 @@ an answer scores nothing.
 The exercises are ``ex1`` (mean-pooling KV heads), ``ex2`` (the absorbed MLA score, which its
 test cell checks on MLA layers it builds itself: random float64 weights, no model), ``ex3``
 (KV bytes per token) and ``ex4`` (MLA's decode step with the latent cache and the absorbed
-matrices, checked in float32 against the unabsorbed layer over the whole sequence). The whole notebook (SmolLM2's perplexity after pooling, the kernel demo, the
-benchmark) is executed by the course-wide notebook tests.
+matrices, checked in float32 against the unabsorbed layer over the whole sequence) and ``ex5``
+(``MyMLA``, the layer as an ``nn.Module``: keys and values rebuilt over a whole sequence, a latent
+cache whose numbers the tests count, and a decode step with the weights absorbed, during which no
+operation may return a per-head key or value). The whole notebook (SmolLM2's perplexity after
+pooling, the kernel demo, the benchmark) is executed by the course-wide notebook tests.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ EXERCISES = {
     "ex3": course.Exercise("ex3_solution", ("test_ex3",)),
     # the text lets the learner reuse exercise 2's absorbed_scores
     "ex4": course.Exercise.numbered(4, before=["ex2_solution"]),
+    "ex5": course.Exercise.numbered(5),
 }
 
 
@@ -72,6 +76,36 @@ WRONG = {
     "ex4: caches not checked": ("ex4", "if tuple(cache_c.shape) != (b, t, p.latent_dim) or "
                                        "tuple(cache_kr.shape) != (b, t, p.rope_dim):", "if False:", "test_ex4_hidden"),
     "ex4: n = 0 accepted": ("ex4", "x_new.shape[1] == 0 or ", "", "test_ex4_hidden"),
+    "ex5: prefill without the causal mask": ("ex5", 'scores.masked_fill(future, float("-inf"))', "scores",
+                                             "test_ex5_visible"),
+    "ex5: scale 1/sqrt(d_h), RoPE dims not counted": ("ex5", "1 / math.sqrt(self.d_h + self.d_r)",
+                                                      "1 / math.sqrt(self.d_h)", "test_ex5_visible"),
+    "ex5: projections kept as plain tensors, not parameters": (
+        "ex5", "torch.nn.Parameter(getattr(weights, name).detach().clone())", "getattr(weights, name).detach().clone()",
+        "test_ex5_visible"),
+    "ex5: the cache keeps the rebuilt keys, as MHA's does": (
+        "ex5", "reshape(b, t, -1) @ self.w_o, (c, k_r)", "reshape(b, t, -1) @ self.w_o, (c, k_r, k_c)",
+        "test_ex5_visible"),
+    "ex5: the decoded token rotated at position 0": ("ex5", "torch.arange(t, t + 1, device=x_new.device)",
+                                                     "torch.arange(0, 1, device=x_new.device)", "test_ex5_visible"),
+    "ex5: the decoded token does not see itself (attends to the old cache)": (
+        "ex5", "o_lat = torch.softmax(scores, dim=-1) @ c[:, None]",
+        "o_lat = torch.softmax(scores[..., :-1], dim=-1) @ old_c[:, None]", "test_ex5_visible"),
+    "ex5: W_UK absorbed on the value side too": ("ex5", "o = o_lat @ self._heads(self.w_uv)",
+                                                 "o = o_lat @ self._heads(self.w_uk)", "test_ex5_visible"),
+    "ex5: decode rebuilds the keys and values from the cached latents": (
+        "ex5", """        q_lat = q_c @ self._heads(self.w_uk).transpose(-1, -2)                    # (B, H, 1, d_c): W_UK absorbed
+        scores = (q_lat @ c[:, None].transpose(-1, -2) + q_r @ k_r[:, None].transpose(-1, -2)) * self.scale
+        o_lat = torch.softmax(scores, dim=-1) @ c[:, None]                        # (B, H, 1, d_c)
+        o = o_lat @ self._heads(self.w_uv)                                        # (B, H, 1, d_h): W_UV after the sum
+""", """        k_c = (c @ self.w_uk).view(b, t + 1, self.h, self.d_h).transpose(1, 2)
+        v = (c @ self.w_uv).view(b, t + 1, self.h, self.d_h).transpose(1, 2)
+        scores = (q_c @ k_c.transpose(-1, -2) + q_r @ k_r[:, None].transpose(-1, -2)) * self.scale
+        o = torch.softmax(scores, dim=-1) @ v
+""", "test_ex5_hidden"),
+    "ex5: a cache of another batch not checked": ("ex5", "if x_new.shape[0] != old_c.shape[0]:", "if False:",
+                                                  "test_ex5_hidden"),
+    "ex5: T = 0 accepted": ("ex5", "x.shape[1] == 0 or ", "", "test_ex5_hidden"),
 }
 
 
@@ -101,6 +135,33 @@ def test_ex4_wrong_answers_name_the_property(case, notebook, tmp_path):
     assert EX4_MESSAGES[case] in message, message
 
 
+# ... and so do exercise 5's.
+EX5_MESSAGES = {
+    "ex5: prefill without the causal mask": "the whole-sequence forward equals the unabsorbed layer",
+    "ex5: projections kept as plain tensors, not parameters": "parameters hold the seven projections' numbers",
+    "ex5: the cache keeps the rebuilt keys, as MHA's does": "the cache holds B * T * (d_c + d_r) = 400 numbers",
+    "ex5: the decoded token rotated at position 0": "the decode step of token 5 equals",
+    "ex5: decode rebuilds the keys and values from the cached latents": "builds no per-head key or value",
+    "ex5: a cache of another batch not checked": "raised RuntimeError",
+    "ex5: T = 0 accepted": "x with T = 0 tokens raises ValueError",
+}
+
+
+@pytest.mark.parametrize("case", list(EX5_MESSAGES))
+def test_ex5_wrong_answers_name_the_property(case, notebook, tmp_path):
+    message = str(notebook.check_caught(*WRONG[case], workdir=tmp_path))
+    assert EX5_MESSAGES[case] in message, message
+
+
+def test_ex5_solution_is_a_design_of_40_to_70_lines():
+    """The capstone's reference answer is a real design: its solution region has 40 to 70 lines of code."""
+    from llmu.course.notebooks import solution_region
+
+    region = solution_region(course.cells_by_grade_id(NOTEBOOK)["ex5_solution"])[1]
+    lines = [line for line in region.splitlines() if line.strip() and not line.strip().startswith("#")]
+    assert 40 <= len(lines) <= 70, len(lines)
+
+
 # The prose's exercise numbers and figures, checked against the cells and recomputed from llmu's code.
 
 def _prose(grade_id: str) -> str:
@@ -126,7 +187,7 @@ def test_exercise_numbers_match_grade_ids():
         if course.is_test(c):
             assert gid.startswith(f"test_ex{heading}"), f"{gid} tests exercise {heading}"
             assert f"what='exercise {heading} (" in text
-    assert seen == [1, 2, 3, 4]
+    assert seen == [1, 2, 3, 4, 5]
 
 
 def test_mla_cache_next_to_mha_and_mqa():
@@ -154,3 +215,33 @@ def test_sparing_layer_0():
     assert round(1 - ratio, 2) == 0.33
     text = _prose("convert_read")
     assert "already lowers the perplexity by a\nthird" in text and "one layer at a time" not in text
+
+
+def test_mla_module_bytes_against_mha_and_gqa():
+    """Exercise 5 and the summary: the bytes one token leaves in one layer's cache, at DeepSeek-V2-like
+    sizes, recomputed from kv_bytes_per_token."""
+    from llmu.gqa.reference import DEEPSEEK_V2_LIKE, kv_bytes_per_token
+
+    sizes = dict(DEEPSEEK_V2_LIKE, layers=1)
+    mha, gqa, mla = (kv_bytes_per_token(s, **sizes) for s in ("MHA", "GQA", "MLA"))
+    figures = (f"{mla:,}", f"{mha:,}", f"{mha / mla:.0f}×", f"{gqa:,}", f"{gqa / mla:.1f}×")
+    assert figures == ("1,152", "65,536", "57×", "4,096", "3.6×")
+    assert ("1,152 bytes per token and layer in bfloat16, where MHA caches 65,536 bytes (57× more) and GQA with\n"
+            "8 KV heads 4,096 (3.6× more)") in _prose("ex5_md")
+    assert ("1,152 bytes in bfloat16 at\nDeepSeek-V2-like sizes, 57× less than MHA's 65,536 and 3.6× less than "
+            "GQA's 4,096 with 8 KV heads") in _prose("summary")
+
+
+def test_absorbed_against_rebuilt_arithmetic():
+    """Self-check 5: a score's length in each form, and a decode step's arithmetic rebuilding the
+    keys and values against attending over the latents, at DeepSeek-V2-like sizes."""
+    from llmu.gqa.reference import DEEPSEEK_V2_LIKE as s
+
+    d_c, d_r, d_h = s["latent_dim"], s["rope_dim"], s["head_dim"]
+    assert (d_c + d_r, d_h + d_r, (d_c + d_r) / (d_h + d_r)) == (576, 192, 3)
+    # per cached token and head: rebuilding k and v is 2 d_c d_h, attending over the latents 2 d_c + d_r
+    assert round(2 * d_c * d_h / (2 * d_c + d_r)) == 120
+    text = _prose("self_check")
+    assert "a dot product of $d_c + d_r$\n   numbers instead of $d_h + d_r$ (576 against 192" in text
+    assert "absorbing would triple the arithmetic of the scores" in text
+    assert "about\n   120× the $T H (2 d_c + d_r)$" in text
