@@ -26,6 +26,7 @@ EXERCISES = {
     "ex3": course.Exercise.numbered(3),
     "ex4": course.Exercise("ex4_kernel", ("test_ex4_visible", "test_ex4_hidden"), before=("ex4_helpers",),
                            after=("ex4_launcher",)),
+    "ex5": course.Exercise.numbered(5, before=["ex1_solution", "ex2_solution"], after=["ex5_helpers"]),
 }
 
 
@@ -72,6 +73,22 @@ WRONG = {
                                        "tl.associative_scan((dA, dBu), 0, scan_op)", "test_ex4_visible"),
     "ex4: B and C of sequence 0 for all": ("ex4", "bc = b * N * L", "bc = b * 0", "test_ex4_visible"),
     "ex4: B u without the step": ("ex4", "dBu = (dt * u)[None, :] * Bt", "dBu = u[None, :] * Bt", "test_ex4_visible"),
+    "ex5: conv padded on the right (sees the future)": ("ex5", "F.pad(xs, (self.d_conv - 1, 0))",
+                                                         "F.pad(xs, (0, self.d_conv - 1))", "test_ex5_visible"),
+    "ex5: Δ without softplus": ("ex5", "return F.softplus(self.dt_proj(dt)), B, C", "return self.dt_proj(dt), B, C",
+                                "test_ex5_visible"),
+    "ex5: forward without the gate": ("ex5", "C.transpose(1, 2), D=self.D, z=z)", "C.transpose(1, 2), D=self.D)",
+                                      "test_ex5_visible"),
+    "ex5: step keeps the oldest inputs": ("ex5", "(inputs[..., 1:], h)", "(inputs[..., :-1], h)", "test_ex5_visible"),
+    "ex5: step forgets h": ("ex5", "-torch.exp(self.A_log)) * h +", "-torch.exp(self.A_log)) * 0 +", "test_ex5_visible"),
+    "ex5: x's shape not checked": ("ex5", "if x.ndim != 3 or x.shape[-1] != self.d_model:", "if False:", "test_ex5_hidden"),
+    "ex5: dt_rank given ignored": ("ex5", 'math.ceil(d_model / 16) if dt_rank == "auto" else dt_rank',
+                                   "math.ceil(d_model / 16)", "test_ex5_hidden"),
+    "ex5: load_from shares the library's modules": (
+        "ex5", "        for mine, theirs in pairs:\n            mine.copy_(theirs)",
+        "        self.in_proj, self.x_proj, self.dt_proj, self.out_proj = block.in_proj, block.x_proj, block.dt_proj, "
+        "block.out_proj\n        for mine, theirs in pairs[1:3] + pairs[6:8]:\n            mine.copy_(theirs)",
+        "test_ex5_hidden"),
 }
 
 
@@ -136,3 +153,38 @@ def test_the_benchmark_times_your_kernel_beside_llmus(notebook, tmp_path):
     size = {"B": 2, "D": 4, "N": 5, "L": 19, "Dh": 2}
     assert notebook.check_bench_yours(tmp_path, {"mamba_selective_scan": "ex4"},
                                       sizes={"mamba_selective_scan": size}) == {"mamba_selective_scan": "ok"}
+
+
+# Exercise 5's cases (the visible ones and the hidden loop): (d_model, d_state, d_conv, expand, dt_rank, L, seed).
+EX5_CASES = ((16, 4, 4, 2, "auto", 11, 0), (5, 3, 2, 3, "auto", 7, 0), (7, 16, 4, 1, 3, 1, 4), (12, 5, 2, 2, 2, 37, 5),
+             (20, 6, 4, 2, "auto", 29, 6), (9, 2, 3, 2, 4, 8, 7), (16, 4, 4, 2, 5, 13, 8))
+
+
+def test_exercise_5_states_the_solutions_largest_difference(notebook, tmp_path):
+    """ex5_md says llmu's solution is within 2e-7 of the library (forward against MambaBlock.forward,
+    step by step against forward, the last state against the library's) on the tests' cases: the
+    largest difference measured here, with the tests' own helpers (9e-8 when last measured,
+    on outputs of about 0.5)."""
+    import torch
+
+    ns = notebook.namespace("ex5", tmp_path)
+    worst = 0.0
+    for H, N, K, ex, rank, L, seed in EX5_CASES:
+        ref, mine = ns["block_pair"](H, seed=seed, d_state=N, d_conv=K, expand=ex, dt_rank=rank)
+        x = torch.randn(2, L, H, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            want, (conv_state, ssm_state) = ref(x, return_state=True)
+            got = mine(x)
+        ys, (window, h), _ = ns["decode"](mine, x)
+        for a, b in ((got, want), (ys, got), (h, ssm_state), (window, conv_state[..., 1:])):
+            worst = max(worst, float((a - b).abs().max()))
+    assert worst < 2e-7, worst
+    assert "llmu's solution is within 2e-7 of the library on every case" in _prose("ex5_md")
+
+
+def test_self_check_counts_the_exercise_5_state():
+    d_model, d_state, d_conv, expand = 16, 4, 4, 2
+    E = expand * d_model
+    window, h = E * (d_conv - 1) * 4, E * d_state * 4
+    text = _prose("self_check")
+    assert f"$32 \\times 3 \\times 4 = {window}$ bytes and $h$ is $32 \\times 4 \\times 4 = {h}$, {window + h} bytes" in text
