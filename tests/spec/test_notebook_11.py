@@ -9,6 +9,8 @@ course-wide notebook tests. Exercise 2 uses exercise 1's residual, exercise 4 us
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import llmu  # noqa: F401
@@ -25,6 +27,7 @@ EXERCISES = {
     "ex2": course.Exercise.numbered(2, before=["ex1_solution"]),
     "ex3": course.Exercise.numbered(3),
     "ex4": course.Exercise.numbered(4, before=["ex1_solution", "ex2_solution", "ex3_solution"]),
+    "ex5": course.Exercise.numbered(5),
 }
 
 
@@ -52,6 +55,18 @@ WRONG = {
     "ex4: target token dropped": ("ex4", "new = tokens[:n] + [best[n]]", "new = tokens[:n] or [best[n]]", "test_ex4_visible"),
     "ex4: argmax when nothing is proposed": ("ex4", "new = [int(reference.inverse_cdf(p[:1], torch.rand(1, generator=generator))[0])]",
                                              "new = [int(p[0].argmax())]", "test_ex4_hidden"),
+    "ex5: alpha = accepted / proposed": ("ex5", "failed = sum(1 for p, a in zip(proposed, accepted) if a < p)",
+                                         "failed = sum(proposed) - sum(accepted)", "test_ex5_visible"),
+    "ex5: every step counted as a rejection": ("ex5", "if a < p)", "if p > 0)", "test_ex5_visible"),
+    "ex5: nothing proposed divides by zero": ("ex5", "    if passed + failed == 0:\n", "    if False:\n", "test_ex5_hidden"),
+    "ex5: the draft's cost left out": ("ex5", "1 + slope * g + draft_cost * g", "1 + slope * g", "test_ex5_visible"),
+    "ex5: the verification's slope left out": ("ex5", "1 + slope * g + draft_cost * g", "1 + draft_cost * g",
+                                               "test_ex5_hidden"),
+    "ex5: the largest of tied gammas": ("ex5", "max(sorted(gammas), key=speedup)",
+                                        "max(sorted(gammas, reverse=True), key=speedup)", "test_ex5_hidden"),
+    "ex5: 0/0 at alpha = 1": ("ex5", "tokens = g + 1 if alpha == 1 else (1 - alpha ** (g + 1)) / (1 - alpha)",
+                              "tokens = (1 - alpha ** (g + 1)) / (1 - alpha)", "test_ex5_hidden"),
+    "ex5: alpha not checked": ("ex5", "not 0 <= alpha <= 1", "False", "test_ex5_hidden"),
 }
 
 
@@ -60,3 +75,55 @@ WRONG = {
 (notebook, test_solutions_pass_all_tests, test_wrong_answers_fail,
  test_library_answers_fail) = course.exercise_tests(
     NOTEBOOK, EXERCISES, WRONG)
+
+
+# -- exercise 5's experiment: graded on the outcome of runs the grader makes itself -----------------
+# (the whole notebook's run executes the experiment cell; here the test cell alone runs, on the
+# instructor's answers to exercises 1-5 with the settings below, and makes the grader's runs itself)
+
+SOLUTION_SETTINGS = {"MY_GAMMAS": [2, 4, 8], "MY_DRAFT_COST": 0.0, "MY_SLOPE": 0.15}
+
+
+def _experiment(notebook, workdir, settings=None, edit=None):
+    """Exercise 5's graded experiment cell on the instructor's answers (``edit``: a (text,
+    replacement) in exercise 5's solution) with ``settings`` over the solution's. The experiment
+    cell itself is not run (the test cell makes its own runs): ``my_sweep`` starts empty."""
+    solution = notebook.cells["ex5_solution"]
+    if edit is not None:
+        assert edit[0] in solution, f"the solution of ex5 no longer contains {edit[0]!r}: update this test"
+        solution = solution.replace(*edit)
+    for name, value in SOLUTION_SETTINGS.items():
+        assert f"{name} = {value!r}" in notebook.cells["ex5_experiment"], f"the solution's {name} changed: update this test"
+    ns = notebook.namespace("ex5", workdir, solution)
+    for n in (1, 2, 3, 4):
+        course.exec_cell(notebook.cells[f"ex{n}_solution"], ns, workdir, f"ex{n}_solution")
+    ns.update(SOLUTION_SETTINGS, my_sweep={}, **(settings or {}))
+    course.exec_cell(notebook.cells["test_ex5_experiment"], ns, workdir, "test_ex5_experiment")
+    return ns
+
+
+def test_the_experiment_passes_with_the_solutions_settings(notebook, tmp_path):
+    ns = _experiment(notebook, tmp_path)
+    assert ns["choice"] == 8 and ns["tps"] >= 3.0
+
+
+@pytest.mark.parametrize("settings, edit, failed", [
+    ({"MY_GAMMAS": [1, 2, 3]}, None, "MY_GAMMAS holds 3 or 4"),
+    ({"MY_DRAFT_COST": -0.1}, None, "MY_DRAFT_COST is a number in"),
+    ({"MY_SLOPE": 0.9}, None, "tokens per step (at least 3.0)"),
+    (None, ("failed = sum(1 for p, a in zip(proposed, accepted) if a < p)", "failed = sum(proposed) - sum(accepted)"),
+     "at most 15% either way"),
+], ids=["too short a sweep", "a negative cost", "a slope that favours a short gamma", "alpha = accepted / proposed"])
+def test_the_experiment_fails_bad_settings_or_estimates(notebook, tmp_path, settings, edit, failed):
+    with pytest.raises(AssertionError, match=re.escape(failed)):
+        _experiment(notebook, tmp_path, settings, edit)
+
+
+def test_the_experiment_refuses_llmus_loop(notebook, tmp_path):
+    from llmu.grading import CheckFailed
+
+    ns = notebook.namespace("ex5", tmp_path)
+    ns.update(SOLUTION_SETTINGS, my_sweep={})
+    course.exec_cell("from llmu.spec.experiment import llmu_generate as my_speculative_generate", ns, tmp_path, "cheat")
+    with pytest.raises(CheckFailed, match="a ready-made answer"):
+        course.exec_cell(notebook.cells["test_ex5_experiment"], ns, tmp_path, "test_ex5_experiment")
