@@ -4,7 +4,10 @@ test cell, hidden parts included, and typical wrong answers fail them.
 The test cells take their SmolLM2 matrices from the setup cell's model, which loads once for the
 module; no demonstration cell runs here. The whole notebook (plots, perplexity table, model cells,
 benchmark) is executed by the course-wide notebook tests. The int4 GEMV kernel's cells move their
-tensors to ``kernel_device()`` themselves (``gemv_inputs`` in the launcher cell).
+tensors to ``kernel_device()`` themselves (``gemv_inputs`` in the launcher cell). Exercise 5's
+experiment is graded on a perplexity its test cell measures again: the solution's plan passes it,
+and plans over the budget, incomplete, or no better than uniform RTN fail it, whatever perplexity
+the learner recorded.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ EXERCISES = {
     "ex2": course.Exercise.numbered(2),
     "ex3": course.Exercise.numbered(3),
     "ex4": course.Exercise("ex4_kernel", ("test_ex4_visible", "test_ex4_hidden"), after=("ex4_launcher",)),
+    # exercise 1's quantizer and the helper cell (SHAPES, plan_ppl) come first: the experiment uses both
+    "ex5": course.Exercise.numbered(5, before=("ex1_solution", "ex5_helpers")),
 }
 
 
@@ -61,6 +66,27 @@ WRONG = {
     "ex4: zero point ignored": ("ex4", "(lo - z) * s * x_even[None, :] + (hi - z) * s * x_odd[None, :]",
                                 "lo * s * x_even[None, :] + hi * s * x_odd[None, :]", "test_ex4_visible"),
     "ex4: last step not masked": ("ex4", "col_ok = j < half", "col_ok = j < 2 * half", "test_ex4_hidden"),
+    "ex5: scales and zeros not counted": ("ex5", "total_bits += n * k * bits + 32 * n * (k // group_size)",
+                                          "total_bits += n * k * bits", "test_ex5_visible"),
+    "ex5: one 16-bit float per group": ("ex5", "total_bits += n * k * bits + 32 * n * (k // group_size)",
+                                        "total_bits += n * k * bits + 16 * n * (k // group_size)", "test_ex5_visible"),
+    "ex5: lowest scores first": ("ex5", "key=lambda name: -scores[name]", "key=lambda name: scores[name]",
+                                 "test_ex5_visible"),
+    "ex5: stops at the first that does not fit": ("ex5", "            plan[name] = high\n            total += extra\n",
+                                                  "            plan[name] = high\n            total += extra\n"
+                                                  "        else:\n            break\n", "test_ex5_visible"),
+    "ex5: the budget's edge refused": ("ex5", "if total + extra <= allowed:", "if total + extra < allowed:",
+                                       "test_ex5_visible"),
+    "ex5: ordered by score per weight": ("ex5", "key=lambda name: -scores[name]",
+                                         "key=lambda name: -scores[name] / (shapes[name][0] * shapes[name][1])",
+                                         "test_ex5_hidden"),
+    "ex5: ties in reverse order": ("ex5", "for name in sorted(shapes, key=lambda name: -scores[name]):",
+                                   "for name in sorted(reversed(list(shapes)), key=lambda name: -scores[name]):",
+                                   "test_ex5_hidden"),
+    "ex5: a budget below low accepted": ("ex5", "    if total > allowed:\n        raise ValueError",
+                                         "    if False:\n        raise ValueError", "test_ex5_hidden"),
+    "ex5: group size not checked": ("ex5", "        if k % group_size:\n            raise ValueError",
+                                    "        if False:\n            raise ValueError", "test_ex5_hidden"),
 }
 
 
@@ -69,6 +95,46 @@ WRONG = {
 (notebook, test_solutions_pass_all_tests, test_wrong_answers_fail,
  test_library_answers_fail) = course.exercise_tests(
     NOTEBOOK, EXERCISES, WRONG)
+
+
+# -- exercise 5's experiment: graded on a perplexity the grader measures itself ---------------------
+# (the solution's plan passes it in the course-wide run of the whole notebook, and below)
+
+def _experiment(notebook, workdir, recorded: dict | None = None):
+    """Run exercise 5's experiment cell and then its test cell, with the instructor's my_quantize and
+    my_plan. With ``recorded``, the experiment cell is not run: the names it would set get these
+    values instead, as a learner could set them by hand."""
+    ns = notebook.namespace("ex5", workdir)
+    if recorded is None:
+        course.exec_cell(notebook.cells["ex5_experiment"], ns, workdir, "ex5_experiment")
+    else:
+        ns.update(recorded)
+    course.exec_cell(notebook.cells["test_ex5_experiment"], ns, workdir, "test_ex5_experiment")
+    return ns
+
+
+def test_the_experiment_passes_the_solutions_plan(notebook, tmp_path):
+    ns = _experiment(notebook, tmp_path)
+    assert ns["my_ppl"] <= 25.5 and ns["results"]["RTN 4-bit g64"][1] > 25.5
+
+
+@pytest.mark.parametrize("plan, recorded_ppl, failed", [
+    ("{name: (4, 64) for name in SHAPES}", 20.0, "quality: the held-out perplexity"),  # uniform RTN, an edited number
+    ("{name: (8, 64) for name in SHAPES}", 18.0, "the budget: MY_PLAN costs 8.5000"),
+    ("{name: (4, 64) for name in list(SHAPES)[1:]}", 20.0, "MY_PLAN gives every projection a format"),
+    ("{name: (4, 128) for name in SHAPES}", 20.0, "MY_PLAN gives every projection a format"),
+])
+def test_the_experiment_fails_a_plan_out_of_budget_or_no_better_than_uniform(notebook, tmp_path, plan,
+                                                                              recorded_ppl, failed):
+    ns = notebook.namespace("ex5", tmp_path)
+    with pytest.raises(AssertionError, match=failed):
+        _experiment(notebook, tmp_path, recorded={"MY_PLAN": eval(plan, ns), "my_ppl": recorded_ppl})  # noqa: S307
+
+
+def test_the_experiment_is_refused_without_its_names(notebook, tmp_path):
+    ns = notebook.namespace("ex5", tmp_path)
+    with pytest.raises(AssertionError, match="your experiment ran"):
+        course.exec_cell(notebook.cells["test_ex5_experiment"], ns, tmp_path, "test_ex5_experiment")
 
 
 def test_the_benchmark_times_your_kernel_beside_llmus(notebook, tmp_path):
