@@ -161,3 +161,15 @@ def test_zero_table_has_stage_1_reduce_scatter_then_all_gather():
     n, p = 4e9, 8
     halves = comm.reduce_scatter_time(n, p, comm.NVLINK4) + comm.all_gather_time(n, p, comm.NVLINK4)
     assert math.isclose(halves, comm.ring_all_reduce_time(n, p, comm.NVLINK4), rel_tol=1e-12)
+
+
+def test_the_capstone_states_the_tiny_models_size():
+    """Section 10 states the size of the model the grader trains, whose 21 tensors the graded bucket
+    size (0.05 MiB) packs into fewer messages."""
+    from llmu.grading.data_parallel import expected_buckets
+    from llmu.models import tiny_llama
+
+    model = tiny_llama(0).requires_grad_(True)
+    psi = sum(p.numel() for p in model.parameters())
+    assert f"a tiny Llama ({psi:,} parameters)" in _prose("dp_capstone_md")
+    assert len(expected_buckets(model, 0.05)) < len(list(model.parameters()))   # bucketing merges messages
