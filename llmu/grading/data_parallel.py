@@ -126,15 +126,11 @@ def optimizer_state_numel(obj) -> int:
 
 def expected_buckets(model: torch.nn.Module, bucket_mb: float) -> list[int]:
     """Elements per bucket under the exercise's rule: parameters in reverse order, a bucket closed
-    once it holds at least ``bucket_mb`` MiB (the rule of :class:`llmu.parallel.data_parallel.DataParallel`)."""
-    limit, sizes, size = max(1, int(bucket_mb * 2**20)), [], 0
-    for p in reversed([p for p in model.parameters() if p.requires_grad]):
-        if not sizes or size >= limit:
-            sizes.append(0)
-            size = 0
-        sizes[-1] += p.numel()
-        size += p.numel() * p.element_size()
-    return sizes
+    once it holds at least ``bucket_mb`` MiB, the rule of :class:`llmu.parallel.data_parallel.DataParallel`."""
+    from llmu.parallel.data_parallel import _bucket_bytes, _make_buckets
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [b.flat.numel() for b in _make_buckets(named[::-1], _bucket_bytes(bucket_mb))]
 
 
 def trial(rank: int, world_size: int, path: str, name: str, strategy: str, steps: int = 3, seed: int = 0,

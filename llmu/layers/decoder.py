@@ -23,8 +23,9 @@ modules: it copies the weights of an llmu ``LlamaModel`` (SmolLM2 from the GGUF 
 decoder of the same shape) into a :class:`DecoderLM`. :func:`decoder_args` gives the arguments of
 the :class:`DecoderLM` that has a ``LlamaConfig``'s shape.
 
-The module imports nothing from llmu (``llmu.models`` builds on ``llmu.layers``); how the notebook
-grades a learner's decoder, and trains it, is :mod:`llmu.grading.decoder`.
+Its norm and rotation are notebook 03's functions (``llmu.layers.reference``); nothing here imports
+``llmu.models``, which builds on ``llmu.layers``. How the notebook grades a learner's decoder, and
+trains it, is :mod:`llmu.grading.decoder`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ import numbers
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from llmu.layers.reference import apply_rope, rms_norm, rope_angles
 
 __all__ = ["Linear", "Embedding", "RMSNorm", "Rotary", "Attention", "MLP", "Block", "DecoderLM",
            "load_llmu_weights", "decoder_args", "INIT_STD"]
@@ -74,7 +77,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -87,12 +90,8 @@ class Rotary(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``(B, H, T, D)``, rotated by positions ``0 .. T-1``."""
-        t, d = x.shape[-2], self.head_dim
-        inv_freq = self.base ** (-torch.arange(0, d, 2, dtype=torch.float64, device=x.device) / d)
-        angles = torch.arange(t, dtype=torch.float64, device=x.device)[:, None] * inv_freq   # (T, D/2)
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-        x1, x2 = x[..., : d // 2], x[..., d // 2:]
-        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+        cos, sin = rope_angles(torch.arange(x.shape[-2], device=x.device), self.head_dim, self.base)
+        return apply_rope(x, cos.to(x.dtype), sin.to(x.dtype), "half")
 
 
 class Attention(nn.Module):
