@@ -3,16 +3,23 @@ pass every test cell, hidden parts included, typical wrong answers fail the cell
 and llmu's own ``cache_update`` or ``attend_cached`` (or the flash-decoding kernel, or PyTorch's
 SDPA) handed back as an answer scores nothing.
 
-The exercises are plain tensor code checked against ``llmu.kvcache.reference``: the cache update
+Exercises 1 to 3 are plain tensor code checked against ``llmu.kvcache.reference``: the cache update
 exactly, the cached attention step to 1e-5 in float32, and the sliding-window ring (exercise 3,
-built on exercise 2's step) against attention over each sequence's last ``window`` tokens. The whole notebook (SmolLM2's decoding with
-and without the cache, the calculator, the Triton kernel, the benchmark) is executed by the
-course-wide notebook tests.
+built on exercise 2's step) against attention over each sequence's last ``window`` tokens.
+Exercise 4 is flash-decoding: the learner's Triton split kernel (in Triton's interpreter on a CPU,
+small shapes) and PyTorch merge, run through the locked launcher ``ex4_launcher`` and checked
+against the plain PyTorch ``decode_reference`` of ``ex4_reference``, output and log-sum-exp. The
+launcher puts nan in the cache past each sequence's length and behind every input, and a marker
+behind the partial results, so the wrong answers below that drop a mask stay inside memory the
+buffers own. The whole notebook (SmolLM2's decoding with and without the cache, the calculator,
+llmu's kernel, the benchmark) is executed by the course-wide notebook tests.
 """
 
 from __future__ import annotations
 
-import llmu  # noqa: F401
+import pytest
+
+import llmu  # noqa: F401  (Triton mode first: exercise 4's kernel is defined in the notebook)
 from llmu import course
 
 NOTEBOOK = course.repo_root() / "solutions" / "06_kv_cache" / "06_kv_cache.ipynb"
@@ -21,6 +28,9 @@ NOTEBOOK = course.repo_root() / "solutions" / "06_kv_cache" / "06_kv_cache.ipynb
 EXERCISES = {f"ex{n}": course.Exercise.numbered(n) for n in (1, 2)}
 # exercise 3's ring uses exercise 2's my_attend_cached
 EXERCISES["ex3"] = course.Exercise.numbered(3, before=("ex2_solution",), after=("ex3_helpers",))
+# exercise 4: the learner's split kernel and merge, with the reference before and the launcher after
+EXERCISES["ex4"] = course.Exercise("ex4_kernel", ("test_ex4_visible", "test_ex4_hidden"), before=("ex4_reference",),
+                                   after=("ex4_launcher",))
 
 
 def test_setup_cell_loads_no_model(notebook):
@@ -67,6 +77,40 @@ WRONG = {
                                           "test_ex3_hidden"),
     "ex3: shapes not checked": ("ex3", "        if tuple(k.shape) != want or tuple(v.shape) != want:\n", "        if False:\n",
                                 "test_ex3_hidden"),
+    "ex4: scale forgotten": ("ex4", "tl.dot(q, tl.trans(k)) * scale", "tl.dot(q, tl.trans(k))", "test_ex4_visible"),
+    "ex4: accumulator not rescaled": ("ex4", "acc = acc * alpha[:, None] + ", "acc = acc + ", "test_ex4_visible"),
+    "ex4: stretch end not masked (the next split's keys read)": ("ex4", "keep = offs < end", "keep = offs < length",
+                                                                 "test_ex4_visible"),
+    "ex4: stretch not clipped to the length": ("ex4", "end = tl.minimum(start + len_split, length)",
+                                              "end = start + len_split", "test_ex4_visible"),
+    "ex4: split lse without the max": ("ex4", "lse = tl.where(has, m + tl.log(l_safe)", "lse = tl.where(has, tl.log(l_safe)",
+                                       "test_ex4_visible"),
+    "ex4: group's query heads strided, not consecutive": ("ex4", "heads = bkv * G + g",
+                                                          "heads = b * hkv * G + g * hkv + bkv % hkv", "test_ex4_visible"),
+    "ex4: padding rows stored": ("ex4", "acc / l_safe[:, None],\n             mask=rows[:, None])",
+                                 "acc / l_safe[:, None])", "test_ex4_visible"),
+    "ex4: merged lse without the max": ("ex4", "return out, m[..., 0] + torch.log(total)", "return out, torch.log(total)",
+                                        "test_ex4_visible"),
+    "ex4: no running max (exp overflows)": ("ex4", "m_new = tl.maximum(m, tl.max(s, axis=1))",
+                                            "m_new = tl.zeros([BLOCK_G], tl.float32)", "test_ex4_hidden"),
+    "ex4: empty split's lse 0, not -inf": ("ex4", "m + tl.log(l_safe), float(\"-inf\"))", "m + tl.log(l_safe), 0.0)",
+                                           "test_ex4_hidden"),
+    "ex4: merge weights not relative to the max": (
+        "ex4", "w = torch.exp(partial_lse - m)", "w = torch.exp(partial_lse)\n    m = torch.zeros_like(m)",
+        "test_ex4_hidden"),
+    "ex4: an empty split's output not dropped": ("ex4", "o = torch.where(w[..., None] > 0, partial_out, 0.0)",
+                                                 "o = partial_out", "test_ex4_hidden"),
+}
+
+
+# What the test cells say for some of exercise 4's mistakes: the property that failed.
+EX4_MESSAGES = {
+    "ex4: stretch not clipped to the length": "out: 6 query heads over 2 KV heads, lengths 40 and 29, 1 split(s)",
+    "ex4: padding rows stored": "the kernel writes nothing past the end of partial_out and partial_lse",
+    "ex4: no running max (exp overflows)": "out: sharp queries",
+    "ex4: empty split's lse 0, not -inf": "every empty split's partial lse is -inf",
+    "ex4: merge weights not relative to the max": "out: sharp queries",
+    "ex4: an empty split's output not dropped": "my_combine: splits with lse -inf",
 }
 
 
@@ -75,7 +119,26 @@ WRONG = {
 # tests/course/test_notebooks.py).
 (notebook, test_solutions_pass_all_tests, test_wrong_answers_fail,
  test_library_answers_fail) = course.exercise_tests(
-    NOTEBOOK, EXERCISES, WRONG)
+    NOTEBOOK, EXERCISES, WRONG, warnings_to_ignore=("ignore::RuntimeWarning",))  # a wrong kernel's exp overflowing
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("case", list(EX4_MESSAGES))
+def test_ex4_wrong_answers_name_the_property(case, notebook, tmp_path):
+    message = str(notebook.check_caught(*WRONG[case], workdir=tmp_path))
+    assert EX4_MESSAGES[case] in message, message
+
+
+def test_ex4_solution_is_a_design_of_30_to_55_lines():
+    """Exercise 4's reference answer (the split kernel and the merge) is a real design: its two
+    solution regions hold 30 to 55 lines of code together."""
+    import re
+
+    cell = course.cells_by_grade_id(NOTEBOOK)["ex4_kernel"]
+    regions = re.findall(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", cell, flags=re.S)
+    assert len(regions) == 2
+    lines = [ln for r in regions for ln in r.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    assert 30 <= len(lines) <= 55, len(lines)
 
 
 # The figures the notebook's prose states, recomputed from llmu's code and SmolLM2's config (no model).
