@@ -213,3 +213,77 @@ def test_softmax_bad_inputs(kdev, off_device):
         softmax(torch.randn(2, 8, device=kdev), block_size=48)
     with pytest.raises(ValueError, match=f"x must be on {kdev.type}, got {off_device.type}"):
         softmax(torch.randn(2, 8, device=off_device))
+
+
+# ------------------------------------------- softmax over rows longer than a block (notebook 00, exercise 4)
+# The launcher fixes the block and the kernel walks the row: the online softmax of _softmax_kernel.
+
+
+@pytest.mark.parametrize("n_cols", [1, 1023, 1024, 1025, 3 * 1024 + 17])
+def test_softmax_rows_around_a_block_of_1024(n_cols):
+    # One column; one lane short of a block; exactly a block; one column into a second block; three
+    # blocks and a ragged tail of 17.
+    x = _randn(3, n_cols, seed=n_cols, scale=3.0)
+    atol, rtol = SOFTMAX_TOL[torch.float32]
+    torch.testing.assert_close(softmax(x, block_size=1024), torch.softmax(x, -1), atol=atol, rtol=rtol)
+
+
+def test_softmax_100k_columns():
+    # 98 blocks of 1024, the last 672 columns wide; the maximum rises in many of them.
+    x = _randn(2, 100_000, seed=11, scale=3.0)
+    atol, rtol = SOFTMAX_TOL[torch.float32]
+    torch.testing.assert_close(softmax(x, block_size=1024), torch.softmax(x, -1), atol=atol, rtol=rtol)
+
+
+def test_softmax_100k_nearly_equal_fp16_scores_sum_in_float32():
+    # The sum of exponentials is about 100,000, beyond float16's largest value (65,504): only a float32
+    # sum gives probabilities of about 1e-5 here (a float16 one gives inf, and zeros). The output is
+    # one rounding to float16 of float32's softmax; 1e-6 absolute covers float16's subnormal spacing
+    # (6e-8) at these values.
+    x = _randn(2, 100_000, dtype=torch.float16, seed=12, scale=0.01)
+    out = softmax(x, block_size=1024)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), torch.softmax(x.float(), -1), atol=1e-6, rtol=1e-3)
+
+
+def test_softmax_minus_inf_across_blocks():
+    x = _randn(4, 3000, seed=13, scale=3.0)
+    x[0, :2048] = -float("inf")  # the first two blocks of 1024 are -inf only
+    x[1, ::3] = -float("inf")
+    x[2] = -float("inf")
+    x[2, 1500] = 5.0             # one finite score, in the middle block
+    x[3] = -float("inf")         # no finite score: NaN, as torch.softmax gives
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # numpy reports -inf - (-inf) in the interpreter
+        out = softmax(x, block_size=1024)
+    torch.testing.assert_close(out[:3], torch.softmax(x[:3], -1), atol=1e-6, rtol=1e-5)
+    one_hot = torch.zeros(3000, device=KDEV)
+    one_hot[1500] = 1.0
+    assert torch.equal(out[2], one_hot)
+    assert torch.isnan(out[3]).all()
+
+
+def test_softmax_scores_that_jump_between_blocks():
+    # From -1000 to +1000 after the first block (the sum so far is rescaled by exp(-2000) = 0) and
+    # from +1000 to -1000 (the maximum must stay that of the row so far); and 1e4 * N(0, 1).
+    x = _randn(3, 3000, seed=14)
+    x[0, :1024] -= 1000.0
+    x[0, 1024:] += 1000.0
+    x[1, :1024] += 1000.0
+    x[1, 1024:] -= 1000.0
+    x[2] *= 1e4
+    out = softmax(x, block_size=1024)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, torch.softmax(x, -1), atol=1e-6, rtol=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert not torch.isfinite(naive_softmax(x)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_softmax_half_precision_in_blocks(dtype):
+    x = _randn(3, 3000, dtype=dtype, seed=15, scale=4.0)
+    out = softmax(x, block_size=256)
+    assert out.dtype == dtype
+    atol, rtol = SOFTMAX_TOL[dtype]
+    torch.testing.assert_close(out.float(), torch.softmax(x.float(), -1), atol=atol, rtol=rtol)

@@ -1,20 +1,22 @@
 """Notebook 00's graded exercises, run in-process (no kernel, no model): the instructor's solutions
 pass every test cell, hidden parts included, and typical wrong answers fail them.
 
-All three exercises are Triton kernels (``add_kernel``, ``softmax_kernel``, ``matmul_kernel``) that
-the notebook's locked launchers (``add_launcher``, ``softmax_launcher``, ``ex3_launcher``) wrap; the
-launcher cell runs after the kernel, as in the notebook. The cells make their tensors without naming a device; they are run with
+All four exercises are Triton kernels (``add_kernel``, ``softmax_kernel``, ``matmul_kernel``,
+``online_softmax_kernel``) that the notebook's locked launchers (``add_launcher``, ``softmax_launcher``,
+``ex3_launcher``, ``ex4_launcher``) wrap; the launcher cell runs after the kernel, as in the notebook. The cells make their tensors without naming a device; they are run with
 ``kernel_device()`` as torch's default device (a no-op in the interpreter, cuda when the kernels
 are compiled). The wrong answers of exercises 1 and 2 keep every access inside the tensors (a
-kernel that stores past the end would write over memory this process still uses); exercise 3's
-launcher puts every operand in a buffer with a tile of spare room, so its wrong answers may stray
-there (and are caught by it). The whole notebook (widget, library
+kernel that stores past the end would write over memory this process still uses); exercises 3 and 4's
+launchers put every operand in a buffer with a tile (a block) of spare room, so their wrong answers
+may stray there (and are caught by it). The whole notebook (widget, library
 demo, benchmark) is executed by the course-wide notebook tests. Two checks of the cells' text: no
 test cell reads a name that only a demonstration cell defines, and every test cell ends with a
 ``passed(...)`` line, in the learner's copy as in the graded one.
 """
 
 from __future__ import annotations
+
+import pytest
 
 import llmu  # noqa: F401  (Triton mode first: the exercise kernels are defined below)
 from llmu import course
@@ -27,6 +29,7 @@ EXERCISES = {
     "ex2": course.Exercise("softmax_kernel", ("test_softmax_visible", "test_softmax_hidden"),
                            after=("softmax_launcher",)),
     "ex3": course.Exercise("ex3_kernel", ("test_ex3_visible", "test_ex3_hidden"), after=("ex3_launcher",)),
+    "ex4": course.Exercise("ex4_kernel", ("test_ex4_visible", "test_ex4_hidden"), after=("ex4_launcher",)),
 }
 
 
@@ -56,6 +59,40 @@ WRONG = {
     "ex3: accumulator in C's dtype": ("ex3", "acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
                                       "acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty)",
                                       "test_ex3_hidden"),
+    "ex4: running sum not rescaled when the maximum grows": ("ex4", "l = l * alpha + ", "l = l + ", "test_ex4_visible"),
+    "ex4: each block normalised by its own maximum and sum": (
+        "ex4", "y = tl.exp(x - m) / l",
+        "y = tl.exp(x - tl.max(x, axis=0)) / tl.sum(tl.exp(x - tl.max(x, axis=0)), axis=0)", "test_ex4_visible"),
+    "ex4: no mask on the tail": ("ex4", "mask = offs < n_cols", "mask = offs >= 0", "test_ex4_visible"),
+    "ex4: store not masked": ("ex4", "tl.store(out_row + offs, y.to(out_ptr.dtype.element_ty), mask=mask)",
+                              "tl.store(out_row + offs, y.to(out_ptr.dtype.element_ty))", "test_ex4_visible"),
+    "ex4: row stride taken as n_cols": ("ex4", "x_ptr + row * x_row_stride", "x_ptr + row * n_cols",
+                                        "test_ex4_visible"),
+    "ex4: output rows at the input's stride": ("ex4", "out_ptr + row * out_row_stride",
+                                               "out_ptr + row * x_row_stride", "test_ex4_visible"),
+    "ex4: padded lanes read 0 in pass 1": ("ex4", 'other=-float("inf")).to(tl.float32)\n        m_new',
+                                           "other=0.0).to(tl.float32)\n        m_new", "test_ex4_hidden"),
+    "ex4: the maximum of the current block only": ("ex4", "m_new = tl.maximum(m, tl.max(x, axis=0))",
+                                                   "m_new = tl.max(x, axis=0)", "test_ex4_hidden"),
+    "ex4: a block of -inf only poisons the sum": ("ex4", 'm_safe = tl.where(m_new == -float("inf"), 0.0, m_new)',
+                                                  "m_safe = m_new", "test_ex4_hidden"),
+    "ex4: the running sum rounded to the input's dtype at every block": (
+        "ex4", "l = l * alpha + tl.sum(tl.exp(x - m_safe), axis=0)",
+        "l = (l * alpha + tl.sum(tl.exp(x - m_safe), axis=0)).to(x_ptr.dtype.element_ty).to(tl.float32)",
+        "test_ex4_hidden"),
+}
+
+# What the check that catches each of exercise 4's wrong answers says (a fragment of its message).
+EX4_MESSAGES = {
+    "ex4: running sum not rescaled when the maximum grows": "each row of my_online_softmax on 3 x 5000 sums to 1",
+    "ex4: each block normalised by its own maximum and sum": "each row of my_online_softmax on 3 x 5000 sums to 1",
+    "ex4: no mask on the tail": "nothing is written after the end of a row",
+    "ex4: row stride taken as n_cols": "my_online_softmax on 3 x 5000 has no NaN",
+    "ex4: output rows at the input's stride": "start row r of the output at out_ptr + r * out_row_stride",
+    "ex4: padded lanes read 0 in pass 1": "one row of 3 columns (a single block, mostly masked)",
+    "ex4: the maximum of the current block only": "my_online_softmax on scores of +-1000 and 1e4 * N(0, 1)",
+    "ex4: a block of -inf only poisons the sum": "rows with -inf: the first two blocks",
+    "ex4: the running sum rounded to the input's dtype at every block": "float16, 2 rows of 100,000 nearly equal scores",
 }
 
 
@@ -65,6 +102,23 @@ WRONG = {
 (notebook, test_solutions_pass_all_tests, test_wrong_answers_fail,
  test_library_answers_fail) = course.exercise_tests(
     NOTEBOOK, EXERCISES, WRONG, on_kernel_device=True, warnings_to_ignore=["ignore::RuntimeWarning"])
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("case", list(EX4_MESSAGES))
+def test_ex4_wrong_answers_name_the_property(case, notebook, tmp_path):
+    message = str(notebook.check_caught(*WRONG[case], workdir=tmp_path))
+    assert EX4_MESSAGES[case] in message, message
+
+
+def test_ex4_solution_is_a_real_kernel_of_20_lines_or_more():
+    """Exercise 4's answer is the longest of the notebook: at least 20 lines of kernel, comments and
+    blank lines left out."""
+    from llmu.course.notebooks import solution_region
+
+    region = solution_region(course.cells_by_grade_id(NOTEBOOK)["ex4_kernel"])[1]
+    lines = [line for line in region.splitlines() if line.strip() and not line.strip().startswith("#")]
+    assert len(lines) >= 20, len(lines)
 
 
 def test_setup_cell_loads_no_model(notebook):
@@ -168,3 +222,21 @@ def test_the_tf32_tolerance():
             for tol in worst:
                 worst[tol] = max(worst[tol], (err / (tol + tol * exact.abs())).max().item())
     assert worst[2e-2] < 0.7 and worst[1e-2] > 0.9, worst
+
+
+def test_ex4_figures():
+    """Exercise 4's prose: a 49,152-column float32 block over the 128 threads of 4 warps, float16's
+    largest value against a sum of 100,000 terms of about 1, and self-check 7 (a first block of -inf,
+    then the scores 0 and 1)."""
+    import math
+
+    import torch
+
+    text = _flat("ex4_md")
+    assert 49_152 // (4 * 32) == 384 and "such a block is 384 registers per thread, where a thread may use at most 255" in text
+    assert torch.finfo(torch.float16).max == 65504 and "beyond float16's largest finite value, 65,504" in text
+    l = math.exp(0 - 1) + math.exp(1 - 1)
+    p = (math.exp(-1) / l, 1 / l)
+    assert (f"{l:.3f}", f"{p[0]:.3f}", f"{p[1]:.3f}") == ("1.368", "0.269", "0.731")
+    check = _flat("self_check")
+    assert "e^{1 - 1} = 1.368$, and the row's last two probabilities are $0.269$ and $0.731$" in check
