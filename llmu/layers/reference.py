@@ -119,10 +119,12 @@ def _check_rope_tables(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """The gated activation of SwiGLU: ``silu(gate) * up``."""
+    """The gated activation of SwiGLU: ``silu(gate) * up``, computed in float32 at least (half
+    precision is widened and rounded back; float64 stays float64, for gradient checks)."""
     if gate.shape != up.shape:
         raise ValueError(f"gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
-    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+    wide = torch.promote_types(gate.dtype, torch.float32)
+    return (F.silu(gate.to(wide)) * up.to(wide)).to(gate.dtype)
 
 
 def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:

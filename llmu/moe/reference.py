@@ -456,7 +456,7 @@ def moe_reference(x, router_weight=None, w_gate=None, w_up=None, w_down=None, k:
     :func:`route`). Arguments are checked by :func:`check_moe_inputs`.
 
     For each expert ``e``: find the kept assignments ``(t, j)`` with ``experts[t, j] == e``,
-    gather those rows of ``x``, run ``swiglu(x_e, w_gate[e], w_up[e], w_down[e])``, and add
+    gather those rows of ``x``, run module 03's ``swiglu`` on them, and add
     ``weights[t, j] * out`` into row ``t`` of ``y`` (accumulated in float32; float64 inputs in
     float64). A dropped assignment adds nothing; the other choice of the same token keeps its
     weight (no re-normalisation after dropping). Differentiable in ``x``, every weight and the

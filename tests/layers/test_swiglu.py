@@ -148,3 +148,20 @@ def test_backward_launcher_validates():
         swiglu_backward(torch.randn(2, 4, device=KDEV), g, u)
     with pytest.raises(TypeError, match="dy must have dtype"):
         swiglu_backward(torch.ones(2, 5, dtype=torch.int64, device=KDEV), g, u)
+
+
+def test_reference_activation_widens_half_precision_and_keeps_float64():
+    """silu_mul computes in float32 at least: half precision is widened and rounded back once, and
+    float64 stays float64 (a float64 gradient check or grader must see float64 rounding)."""
+    from llmu.layers.reference import silu_mul
+
+    g = torch.Generator().manual_seed(0)
+    gate, up = torch.randn(2, 64, 33, generator=g, dtype=torch.float64, device="cpu")
+    exact = torch.nn.functional.silu(gate) * up
+    out = silu_mul(gate, up)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, exact, rtol=0, atol=1e-15)
+    for dtype in (torch.float16, torch.bfloat16):
+        half = silu_mul(gate.to(dtype), up.to(dtype))
+        wide = torch.nn.functional.silu(gate.to(dtype).float()) * up.to(dtype).float()
+        assert half.dtype == dtype and torch.equal(half, wide.to(dtype))

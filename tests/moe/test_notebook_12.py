@@ -5,7 +5,9 @@ The whole notebook (the calculator, the widgets, the two training runs, SmolLM2,
 executed by the course-wide notebook tests. Exercise 4 is a Triton kernel: its cell is compiled
 from a file (Triton reads a kernel's source back), and its launcher cell runs after it. Its wrong
 answers are chosen so that every address stays inside the tensors: in the interpreter an
-out-of-bounds access reads or writes whatever memory is there.
+out-of-bounds access reads or writes whatever memory is there. Exercise 6 is the learner's whole
+MoE layer (``MyMoELayer``), graded on behaviour against ``reference.moe_reference`` in float64
+with the layout-free checks of ``llmu.grading.moe``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ EXERCISES = {
     "ex3": course.Exercise.numbered(3),
     "ex4": course.Exercise("ex4_kernel", ("test_ex4_visible", "test_ex4_hidden"), after=("ex4_launcher",)),
     "ex5": course.Exercise.numbered(5),
+    "ex6": course.Exercise.numbered(6),
 }
 
 
@@ -74,6 +77,55 @@ WRONG = {
                               "test_ex5_hidden"),
     "ex5: rate not checked": ("ex5", "not (math.isfinite(rate) and rate > 0)", "rate < 0", "test_ex5_hidden"),
     "ex5: load's shape not checked": ("ex5", " or load.shape != self.bias.shape", "", "test_ex5_hidden"),
+    "ex6: capacity without the ceiling": ("ex6", "math.ceil(self.capacity_factor * num_tokens * self.k / self.num_experts - 1e-9)",
+                                          "int(self.capacity_factor * num_tokens * self.k / self.num_experts)",
+                                          "test_ex6_visible"),
+    "ex6: k counted as 1 in the capacity": ("ex6", "self.capacity_factor * num_tokens * self.k / self.num_experts",
+                                            "self.capacity_factor * num_tokens / self.num_experts", "test_ex6_visible"),
+    "ex6: dropped by gate score, not by position": (
+        "ex6", "rank = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1) - 1",
+        "score = weights.reshape(-1).detach()\n"
+        "        rank = ((flat[None, :] == flat[:, None]) & (score[None, :] > score[:, None])).sum(dim=1)",
+        "test_ex6_visible"),
+    "ex6: first choices queued before second choices (GShard)": (
+        "ex6", "rank = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1) - 1",
+        "by_choice = torch.nn.functional.one_hot(experts.T.reshape(-1), num_experts)\n"
+        "        rank = ((by_choice.cumsum(dim=0) * by_choice).sum(dim=-1) - 1).view(k, -1).T.reshape(-1)",
+        "test_ex6_visible"),
+    "ex6: gate weights never renormalised": ("ex6", "        if self.renormalize:\n            weights = weights / weights.sum(dim=-1, keepdim=True)\n",
+                                             "", "test_ex6_visible"),
+    "ex6: gate weights always renormalised": ("ex6", "        if self.renormalize:\n", "        if True:\n", "test_ex6_hidden"),
+    "ex6: combine without the gate weights": ("ex6", "out * weights.reshape(-1)[order, None]", "out", "test_ex6_visible"),
+    "ex6: dropped copies still computed and added": (
+        "ex6", "counts = torch.bincount(flat[kept], minlength=num_experts)\n"
+               "        order = torch.sort(torch.where(kept, flat, num_experts), stable=True).indices[: int(kept.sum())]",
+        "counts = torch.bincount(flat, minlength=num_experts)\n"
+        "        order = torch.sort(flat, stable=True).indices", "test_ex6_visible"),
+    "ex6: weights renormalised over the kept copies": (
+        "ex6", "out * weights.reshape(-1)[order, None]",
+        "out * (weights * ~kept.view(n, k) * 0 + weights * kept.view(n, k) / (weights * kept.view(n, k)).sum(-1, keepdim=True)"
+        ").reshape(-1)[order, None]", "test_ex6_visible"),
+    "ex6: a dropped token passes x through (residual inside the layer)": (
+        "ex6", "torch.zeros_like(x2).index_add(", "(x2 * (~kept.view(n, k)).all(-1, keepdim=True).to(x2.dtype)).index_add(",
+        "test_ex6_visible"),
+    "ex6: z-loss on the probabilities": ("ex6", "torch.logsumexp(logits, dim=-1)", "torch.logsumexp(probs, dim=-1)",
+                                         "test_ex6_visible"),
+    "ex6: f of the lb loss counted after dropping": ("ex6", "f = tokens_per_expert.to(probs.dtype) / (n * k)",
+                                                     "f = counts.to(probs.dtype) / counts.sum()", "test_ex6_visible"),
+    "ex6: capacity from one sequence's length": ("ex6", "capacity = self.capacity(n)", "capacity = self.capacity(x.shape[-2])",
+                                                 "test_ex6_hidden"),
+    "ex6: the router gets no gradient (weights detached)": ("ex6", "weights, experts = probs.topk(k, dim=-1)",
+                                                            "weights, experts = probs.detach().topk(k, dim=-1)",
+                                                            "test_ex6_hidden"),
+    "ex6: a Python loop over the token copies": (
+        "ex6", "y = torch.zeros_like(x2).index_add(0, order // k, out * weights.reshape(-1)[order, None])",
+        "y = torch.zeros_like(x2)\n"
+        "        for row, copy in enumerate(order.tolist()):\n"
+        "            y[copy // k] = y[copy // k] + out[row] * weights.reshape(-1)[copy]", "test_ex6_hidden"),
+    "ex6: k not checked": ("ex6", "if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= num_experts:",
+                           "if False:", "test_ex6_hidden"),
+    "ex6: load_weights' shapes not checked": ("ex6", "if tuple(w.shape) != tuple(param.shape):", "if False:",
+                                              "test_ex6_hidden"),
 }
 
 
@@ -160,3 +212,63 @@ def test_the_benchmark_times_your_kernel_beside_llmus(notebook, tmp_path):
     assert notebook.check_bench_yours(tmp_path, {"moe_gather_rows": "ex4"},
                                       sizes={"moe_gather_rows": {"T": 37, "k": 2, "E": 6, "H": 200}}) == \
         {"moe_gather_rows": "ok"}
+
+
+# -- exercise 6: the learner's whole MoE layer ---------------------------------------------------
+
+# Its wrong answers fail with a message that names the property, not only "values differ".
+EX6_MESSAGES = {
+    "ex6: capacity without the ceiling": "capacity C = ceil(capacity_factor * T * k / E) = ceil(12.33) = 13: got 12",
+    "ex6: k counted as 1 in the capacity": "capacity C = ceil(capacity_factor * T * k / E) = ceil(12.33) = 13: got 7",
+    "ex6: dropped by gate score, not by position": "aux.dropped: the copies over capacity, in token order",
+    "ex6: first choices queued before second choices (GShard)": "aux.dropped: the copies over capacity, in token order",
+    "ex6: gate weights never renormalised": "no capacity, top-2 renormalised: y equals reference.moe_reference",
+    "ex6: gate weights always renormalised": "renormalize=False: the gate weights are the raw top-2 probabilities",
+    "ex6: dropped copies still computed and added": "capacity 13: y equals reference.moe_reference",
+    "ex6: weights renormalised over the kept copies": "capacity 13: y equals reference.moe_reference",
+    "ex6: z-loss on the probabilities": "aux.z_loss: the mean over tokens of logsumexp(router logits)^2",
+    "ex6: f of the lb loss counted after dropping": "aux.lb_loss: exercise 2's loss, alpha = 0.01, f over all T*k copies "
+                                                    "before dropping",
+    "ex6: capacity from one sequence's length": "the capacity counts all 39 tokens (C = 13): got 5",
+    "ex6: the router gets no gradient (weights detached)": "the router's gradient (through the gate weights",
+    "ex6: a Python loop over the token copies": "no Python loop over the tokens",
+    "ex6: load_weights' shapes not checked": "raised RuntimeError",
+}
+
+
+@pytest.mark.parametrize("case", list(EX6_MESSAGES))
+def test_ex6_wrong_answers_name_the_property(case, notebook, tmp_path):
+    message = str(notebook.check_caught(*WRONG[case], workdir=tmp_path))
+    assert EX6_MESSAGES[case] in message, message
+
+
+def test_ex6_solution_is_a_design_of_40_to_65_lines():
+    """The layer's reference answer is a real design: 40 to 65 lines of code in its solution region."""
+    from llmu.course.notebooks import solution_region
+
+    region = solution_region(course.cells_by_grade_id(NOTEBOOK)["ex6_solution"])[1]
+    lines = [line for line in region.splitlines() if line.strip() and not line.strip().startswith("#")]
+    assert 40 <= len(lines) <= 65, len(lines)
+
+
+def test_ex6_figures_stated():
+    """Exercise 6's statement: the visible case's capacity and drops, the batch's capacity against one
+    sequence's, and C = T at capacity factor E / k, recomputed with llmu.moe.reference."""
+    import math
+
+    import torch
+
+    from llmu.moe import reference
+
+    cell = course.cells_by_grade_id(NOTEBOOK)["test_ex6_visible"]
+    start = cell.index("_H6, _F6, _E6 = ")
+    ns = {"torch": torch, "math": math}
+    exec(cell[start:cell.index("\n\n", start)], ns)  # noqa: S102 - the test cell's own seeded inputs
+    aux = reference.route(ns["_x6"], ns["_rw6"], 2, capacity_factor=1.0)
+    copies = aux.dropped.numel()
+    assert (aux.capacity, aux.num_dropped, copies) == (13, 6, 74)
+    text = _prose("ex6_md")
+    assert f"({aux.capacity} slots per expert; {aux.num_dropped} of the {copies} copies are dropped)" in text
+    batch, one = (reference.expert_capacity(n, 6, 2, 1.0) for n in (39, 13))
+    assert f"({batch} slots over 39 tokens, where one sequence alone would get {one})" in text
+    assert reference.expert_capacity(50, 6, 2, 3.0) == 50 and "factors 3 ($C = T$)" in text
