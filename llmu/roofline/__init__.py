@@ -6,6 +6,9 @@
 - :mod:`llmu.roofline.measure`: ``measure_machine()`` (this machine's matmul FLOP/s and copy
   bandwidth), ``gemv_sweep()`` (a GEMV at several dtypes), ``token_latency()`` and
   ``latency_metrics()`` (TTFT, TPOT, TTLT of the real model);
+- :mod:`llmu.roofline.decode_cost`: ``step_cost()``, the operations of one decode step of a
+  Llama-family config with their FLOPs and bytes, ``predict_time()``, their time on a device's
+  roofline, and ``measure_decode_steps()``, real steps of the model at several batch sizes;
 - :mod:`llmu.roofline.points`: the registered ops as points, prefill-like or decode-like;
 - :mod:`llmu.roofline.plot`: ``roofline_figure()`` (imports plotly on first use);
 - :mod:`llmu.roofline.kernels`: ``matmul()``, a tiled Triton matmul with its tiles chosen for the
@@ -16,6 +19,7 @@
 Course notebook: ``05_prefill_decode``.
 """
 
+from llmu.roofline.decode_cost import StepOp, measure_decode_steps, predict_time, step_cost, step_totals
 from llmu.roofline.measure import (
     MachineRoof,
     TokenLatency,
@@ -54,4 +58,5 @@ __all__ = [
     "roofline", "ridge_point", "bound", "Roof", "gpu_roofs", "DEFAULT_GPUS",
     "MachineRoof", "measure_machine", "gemv_sweep", "model_weight_bytes", "TokenLatency", "token_latency",
     "latency_metrics", "PHASES", "phase_of", "registry_points", "roofline_figure",
+    "StepOp", "step_cost", "step_totals", "predict_time", "measure_decode_steps",
 ]

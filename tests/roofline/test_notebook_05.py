@@ -1,7 +1,7 @@
 """Notebook 05's graded exercises, run in-process (no kernel, no model): the instructor's solutions
 pass every test cell, hidden parts included, and typical wrong answers fail them.
 
-Exercises 1 to 4 are plain Python. Exercise 5 is a Triton kernel (and the tiles chosen for a GPU):
+Exercises 1 to 4 and 6 are plain Python. Exercise 5 is a Triton kernel (and the tiles chosen for a GPU):
 its launcher cell (``ex5_launcher``) runs after it, and the cells run with the kernel device as
 torch's default device (Triton's interpreter on a CPU, where the speed part of ``test_ex5_speed``
 only prints why it is not judged). The whole notebook (model cells, widgets, benchmark) is
@@ -11,6 +11,8 @@ executed by the course-wide notebook tests.
 from __future__ import annotations
 
 from pathlib import Path
+
+import pytest
 
 import llmu  # noqa: F401
 from llmu import course
@@ -22,6 +24,7 @@ EXERCISES = {
     **{f"ex{n}": course.Exercise.numbered(n) for n in (1, 2, 3, 4)},
     "ex5": course.Exercise("ex5_solution", ("test_ex5_visible", "test_ex5_hidden", "test_ex5_speed"),
                            after=("ex5_launcher",)),
+    "ex6": course.Exercise.numbered(6),
 }
 
 
@@ -64,6 +67,30 @@ WRONG = {
     "ex5: kernel right only at the small tiles (BLOCK_K hard-coded)": (
         "ex5", "a_ptrs += BLOCK_K * stride_ak\n        b_ptrs += BLOCK_K * stride_bk",
         "a_ptrs += 16 * stride_ak\n        b_ptrs += 16 * stride_bk", "test_ex5_speed"),
+    "ex6: KV heads counted as query heads": ("ex6", "k = cfg.num_key_value_heads * D", "k = cfg.num_attention_heads * D",
+                                             "test_ex6_visible"),
+    "ex6: the cache read once, not per sequence": ("ex6", "kv * 2 * B * n * k", "kv * 2 * n * k", "test_ex6_visible"),
+    "ex6: weights read once per sequence": ("ex6", "e * (n_in * n_out + B * n_in)", "e * B * (n_in * n_out + n_in)",
+                                            "test_ex6_visible"),
+    "ex6: the LM head forgotten": ("ex6", '        linear("lm_head", d, V, layers=1),', "", "test_ex6_visible"),
+    "ex6: a tied head counted twice": ("ex6", 'linear("lm_head", d, V, layers=1)',
+                                       'linear("lm_head", d, V, layers=2 if cfg.tie_word_embeddings else 1)',
+                                       "test_ex6_visible"),
+    "ex6: one FLOP per multiply-add": ("ex6", "layers * 2 * B * n_in * n_out", "layers * B * n_in * n_out",
+                                       "test_ex6_visible"),
+    "ex6: attention without the weighted sum of the values": ("ex6", "L * 2 * 2 * B * H * n * D", "L * 2 * B * H * n * D",
+                                                              "test_ex6_visible"),
+    "ex6: attention over the cached tokens only": ("ex6", "n = context + 1 ", "n = context ", "test_ex6_visible"),
+    "ex6: the sum of the two times, not their max": ("ex6", "max(flops / peak_flops, nbytes / bandwidth)",
+                                                     "flops / peak_flops + nbytes / bandwidth", "test_ex6_visible"),
+    "ex6: the max of the totals, not the sum of the maxima": (
+        "ex6", "sum(max(flops / peak_flops, nbytes / bandwidth) for _, flops, nbytes in costs)",
+        "max(sum(c[1] for c in costs) / peak_flops, sum(c[2] for c in costs) / bandwidth)", "test_ex6_hidden"),
+    "ex6: the query width taken as hidden_size": ("ex6", "q = H * D ", "q = d ", "test_ex6_hidden"),
+    "ex6: kv_elem_bytes ignored": ("ex6", "kv_elem_bytes = elem_bytes if kv_elem_bytes is None else kv_elem_bytes",
+                                   "kv_elem_bytes = elem_bytes", "test_ex6_hidden"),
+    "ex6: batch and context not checked": ("ex6", 'raise ValueError(f"{name} must be an int', 'print(f"{name} must be an int',
+                                           "test_ex6_hidden"),
 }
 
 
@@ -72,6 +99,36 @@ WRONG = {
 (notebook, test_solutions_pass_all_tests, test_wrong_answers_fail,
  test_library_answers_fail) = course.exercise_tests(
     NOTEBOOK, EXERCISES, WRONG, on_kernel_device=True)
+
+
+#: What the test cells say about the important mistakes of exercise 6 (a fragment of the message).
+EX6_MESSAGES = {
+    "ex6: KV heads counted as query heads": "k_proj over the 30 layers, 3 KV heads of 64",
+    "ex6: the cache read once, not per sequence": "the bytes that do not grow with the batch",
+    "ex6: weights read once per sequence": "the bytes that do not grow with the batch",
+    "ex6: the LM head forgotten": "the twelve operations' names",
+    "ex6: a tied head counted twice": "lm_head, a 49152 x 576 matrix read once",
+    "ex6: attention without the weighted sum of the values": "attention over 64 positions",
+    "ex6: the sum of the two times, not their max": "two operations on a device of 1 PFLOP/s",
+    "ex6: the max of the totals, not the sum of the maxima": "on a CPU of 92.7 GFLOP/s and 7.1 GB/s",
+    "ex6: the query width taken as hidden_size": "4 heads of 96 over a hidden size of 256",
+}
+
+
+@pytest.mark.parametrize("case", list(EX6_MESSAGES))
+def test_ex6_wrong_answers_name_the_property(case, notebook, tmp_path):
+    message = str(notebook.check_caught(*WRONG[case], workdir=tmp_path))
+    assert EX6_MESSAGES[case] in message, message
+
+
+def test_ex6_solution_is_a_design_of_30_to_50_lines():
+    """Exercise 6's reference answer (both functions) has 30 to 50 lines of code."""
+    import re
+
+    cell = course.cells_by_grade_id(NOTEBOOK)["ex6_solution"]
+    regions = re.findall(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", cell, flags=re.S)
+    lines = [ln for r in regions for ln in r.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    assert len(regions) == 2 and 30 <= len(lines) <= 50, len(lines)
 
 
 def test_the_benchmark_times_your_matmul_beside_llmus(notebook, tmp_path):
@@ -240,3 +297,69 @@ def test_the_decode_steps_memory_roof_is_tens_of_milliseconds_here():
     assert f"{weights / 1e6:.0f} MB at 27 GB/s" in text
     assert f"is {weights / 27e9 * 1e3:.0f} ms" in text and "takes tens of milliseconds" in text
     assert "a few milliseconds" not in text
+
+
+def test_exercise_6_figures():
+    """Section 8, exercise 6, the analysis's model answer, the summary and self-check 8: the figures
+    recomputed from llmu's count of a step (``llmu.roofline.decode_cost``) and the datasheet roofs."""
+    from llmu.models import LlamaConfig
+    from llmu.roofline import gpu_roofs
+    from llmu.roofline.decode_cost import predict_time, step_cost, step_totals
+
+    c = LlamaConfig()
+    d, f, H, Hkv, D, L = c.hidden_size, c.intermediate_size, 9, 3, c.head_dim, c.num_hidden_layers
+
+    def neglected(batch, e=2):       # RoPE on q and k, SwiGLU's gate product, two residual adds, the lookup
+        per_layer = 2 * (H + Hkv) * D * e + 3 * f * e + 2 * 3 * d * e
+        return L * batch * per_layer + 2 * batch * d * e
+
+    def share(batch, context):
+        return 100 * neglected(batch) / step_totals(step_cost(c, batch, context))[1]
+
+    text = _flat("step_md")
+    assert (round(share(1, 0), 1), round(share(1, 1024), 1), round(share(64, 1024)), round(share(64, 64))) == (0.2, 0.2, 2, 9)
+    assert "add 0.2 % to SmolLM2's bytes at batch 1 and 2 % at batch 64 with 1,024 tokens of context (9 % at " \
+           "batch 64 with 64 tokens" in text
+    assert c.num_parameters() == 134_515_008 and "2 bytes × 134,515,008 parameters" in _flat("ex6_md")
+
+    h100 = next(g for g in gpu_roofs() if g.name == "NVIDIA H100 SXM")
+
+    def on_h100(batch, context=1024):
+        ops = step_cost(c, batch, context)
+        t = predict_time(ops, h100.peak_flops, h100.bandwidth)
+        att = predict_time([o for o in ops if o.name == "attention"], h100.peak_flops, h100.bandwidth)
+        return t * 1e6, 100 * att / t
+
+    t1, a1 = on_h100(1)
+    t16, a16 = on_h100(16)
+    t64, a64 = on_h100(64)
+    t256, a256 = on_h100(256)
+    assert (round(t1), round(t16 / 16), round(t64), round(t64 / 64, 1), round(t256 / 256, 1)) == (88, 12, 549, 8.6, 7.6)
+    assert (round(a1), round(a16), round(a64), round(a256)) == (8, 57, 82, 93)
+    written = _flat("ex6_written")
+    assert "attention is 8 % of the predicted step at batch 1, 57 % at 16, 82 % at 64 and 93 % at 256" in written
+    assert "falls from 88 µs to 12 µs at batch 16, then only to 8.6 at 64 and 7.6 at 256" in written
+    assert "About 88 µs at batch 1 and 549 µs at batch 64 (8.6 µs per token)" in written
+    first = {}
+    for batch in range(1, 1100):
+        for o in step_cost(c, batch, 1024):
+            if o.name not in first and o.flops / h100.peak_flops > o.bytes / h100.bandwidth:
+                first[o.name] = batch
+    assert first == {"lm_head": 614, "gate_proj": 1002, "up_proj": 1002, "down_proj": 1002}
+    assert "the LM head crosses the ridge at a batch of 614 and the MLP's three products at 1,002" in written
+    assert round(h100.ridge) == 295 and d / 2 == 288
+    attention = next(o for o in step_cost(c, 64, 1024) if o.name == "attention")
+    assert round(attention.flops / attention.bytes) == 3
+    # 50 MB of attention at batch 16 with 64 tokens in fp32, 7 ms at about 7 GB/s
+    att16 = next(o for o in step_cost(c, 16, 64, 4) if o.name == "attention")
+    assert round(att16.bytes / 1e6) == 50 and round(att16.bytes / 7.1e9 * 1e3) == 7 and "its 50 MB would take 7" in written
+
+    shares = {b: on_h100(b)[1] for b in (11, 12)}
+    assert shares[11] < 50 < shares[12] and "takes most of a step from a batch of 12 on" in _flat("summary")
+
+    cache = L * 2 * 64 * 1025 * Hkv * D * 2
+    total = step_totals(step_cost(c, 64, 1024))[1]
+    weights = c.num_parameters() * 2
+    check = _flat("self_check")
+    assert f"{cache / 1e9:.2f} GB" == "1.51 GB" and f"{weights / 1e6:.0f} MB" == "269 MB" and cache / total > 0.8
+    assert "= 1.51 GB; the weights: 269 MB" in check and "of its predicted 549 µs" in check
