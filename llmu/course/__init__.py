@@ -86,6 +86,7 @@ from .notebooks import (  # noqa: F401
     rubric_of,
     rubric_points,
     setup_namespace,
+    solution_code_lines,
     solution_region,
     without_hidden_tests,
 )

@@ -387,6 +387,16 @@ def solution_region(source: str) -> tuple[str, str, str] | None:
     return source[: m.start()], m.group(2), source[m.end():]
 
 
+def solution_code_lines(source: str) -> int:
+    """Lines of code a learner writes in ``source``: the non-blank, non-comment lines of every
+    solution region of the cell (a cell may hold several, one per function). How the course
+    counts the depth of an exercise; a cell without markers counts 0."""
+    regions = re.findall(rf"^[ \t]*{re.escape(BEGIN_SOLUTION)}[^\n]*\n(.*?)^[ \t]*{re.escape(END_SOLUTION)}",
+                         source, flags=re.S | re.M)
+    return sum(1 for region in regions for line in region.splitlines()
+               if line.strip() and not line.strip().startswith("#"))
+
+
 def answer_from_solution(source: str) -> str:
     """The solution cell's source as a student would type it: the markers removed."""
     return "\n".join(

@@ -236,3 +236,10 @@ def test_no_test_cell_reads_a_demo_cells_names(src):
     or a locked helper cell (``course.HELPER_CELL``) defined, never a name only a demo cell sets."""
     found = course.demo_names_read_by_tests(src)
     assert not found, f"{src.parent.name}: test cells reading names only a demo cell defines: {found}"
+
+
+def test_solution_code_lines_counts_every_region_without_comments_or_blanks():
+    source = ("def f(x):\n    ### BEGIN SOLUTION\n    # a comment\n    y = x + 1\n\n    return y\n    ### END SOLUTION\n"
+              "\n\ndef g():\n    ### BEGIN SOLUTION\n    return 2\n    ### END SOLUTION\n")
+    assert course.solution_code_lines(source) == 3
+    assert course.solution_code_lines("x = 1\n") == 0

@@ -155,11 +155,8 @@ def test_ex5_wrong_answers_name_the_property(case, notebook, tmp_path):
 
 def test_ex5_solution_is_a_design_of_40_to_70_lines():
     """The capstone's reference answer is a real design: its solution region has 40 to 70 lines of code."""
-    from llmu.course.notebooks import solution_region
-
-    region = solution_region(course.cells_by_grade_id(NOTEBOOK)["ex5_solution"])[1]
-    lines = [line for line in region.splitlines() if line.strip() and not line.strip().startswith("#")]
-    assert 40 <= len(lines) <= 70, len(lines)
+    lines = course.solution_code_lines(course.cells_by_grade_id(NOTEBOOK)["ex5_solution"])
+    assert 40 <= lines <= 70, lines
 
 
 # The prose's exercise numbers and figures, checked against the cells and recomputed from llmu's code.

@@ -132,13 +132,10 @@ def test_ex4_wrong_answers_name_the_property(case, notebook, tmp_path):
 def test_ex4_solution_is_a_design_of_30_to_55_lines():
     """Exercise 4's reference answer (the split kernel and the merge) is a real design: its two
     solution regions hold 30 to 55 lines of code together."""
-    import re
-
     cell = course.cells_by_grade_id(NOTEBOOK)["ex4_kernel"]
-    regions = re.findall(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", cell, flags=re.S)
-    assert len(regions) == 2
-    lines = [ln for r in regions for ln in r.splitlines() if ln.strip() and not ln.strip().startswith("#")]
-    assert 30 <= len(lines) <= 55, len(lines)
+    assert course.solution_region(cell) is not None and cell.count("### BEGIN SOLUTION") == 2
+    lines = course.solution_code_lines(cell)
+    assert 30 <= lines <= 55, lines
 
 
 # The figures the notebook's prose states, recomputed from llmu's code and SmolLM2's config (no model).

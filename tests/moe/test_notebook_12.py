@@ -244,11 +244,8 @@ def test_ex6_wrong_answers_name_the_property(case, notebook, tmp_path):
 
 def test_ex6_solution_is_a_design_of_40_to_65_lines():
     """The layer's reference answer is a real design: 40 to 65 lines of code in its solution region."""
-    from llmu.course.notebooks import solution_region
-
-    region = solution_region(course.cells_by_grade_id(NOTEBOOK)["ex6_solution"])[1]
-    lines = [line for line in region.splitlines() if line.strip() and not line.strip().startswith("#")]
-    assert 40 <= len(lines) <= 65, len(lines)
+    lines = course.solution_code_lines(course.cells_by_grade_id(NOTEBOOK)["ex6_solution"])
+    assert 40 <= lines <= 65, lines
 
 
 def test_ex6_figures_stated():

@@ -123,12 +123,8 @@ def test_ex6_wrong_answers_name_the_property(case, notebook, tmp_path):
 
 def test_ex6_solution_is_a_design_of_30_to_50_lines():
     """Exercise 6's reference answer (both functions) has 30 to 50 lines of code."""
-    import re
-
-    cell = course.cells_by_grade_id(NOTEBOOK)["ex6_solution"]
-    regions = re.findall(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", cell, flags=re.S)
-    lines = [ln for r in regions for ln in r.splitlines() if ln.strip() and not ln.strip().startswith("#")]
-    assert len(regions) == 2 and 30 <= len(lines) <= 50, len(lines)
+    lines = course.solution_code_lines(course.cells_by_grade_id(NOTEBOOK)["ex6_solution"])
+    assert 30 <= lines <= 50, lines
 
 
 def test_the_benchmark_times_your_matmul_beside_llmus(notebook, tmp_path):

@@ -114,11 +114,8 @@ def test_ex4_wrong_answers_name_the_property(case, notebook, tmp_path):
 def test_ex4_solution_is_a_real_kernel_of_20_lines_or_more():
     """Exercise 4's answer is the longest of the notebook: at least 20 lines of kernel, comments and
     blank lines left out."""
-    from llmu.course.notebooks import solution_region
-
-    region = solution_region(course.cells_by_grade_id(NOTEBOOK)["ex4_kernel"])[1]
-    lines = [line for line in region.splitlines() if line.strip() and not line.strip().startswith("#")]
-    assert len(lines) >= 20, len(lines)
+    lines = course.solution_code_lines(course.cells_by_grade_id(NOTEBOOK)["ex4_kernel"])
+    assert lines >= 20, lines
 
 
 def test_setup_cell_loads_no_model(notebook):
