@@ -12,6 +12,8 @@ compiled), as the notebook 02 tests do.
 
 from __future__ import annotations
 
+import pytest
+
 import llmu  # noqa: F401  (Triton mode first: the exercise kernel is defined below)
 from llmu import course
 
@@ -23,6 +25,7 @@ EXERCISES = {
     "ex2": course.Exercise.numbered(2),
     "ex3": course.Exercise("ex3_kernel", ("test_ex3_visible", "test_ex3_hidden"), after=("ex3_launcher",)),
     "ex4": course.Exercise.numbered(4),
+    "ex5": course.Exercise("ex5_kernel", ("test_ex5_visible", "test_ex5_hidden"), after=("ex5_launcher",)),
 }
 
 
@@ -67,6 +70,38 @@ WRONG = {
     "ex4: changes before raising": ("ex4", "        if not free_blocks:\n",
                                     "        if not free_blocks:\n            ref_count[block] -= 1\n",
                                     "test_ex4_hidden"),
+    "ex5: block table ignored (logical block read as physical)": (
+        "ex5", "block = tl.load(tables_ptr + b * max_blocks + i).to(tl.int64)", "block = (b * 0 + i).to(tl.int64)",
+        "test_ex5_visible"),
+    "ex5: causal mask without the prefix offset": (
+        "ex5", "(pos[None, :] <= offset + offs_m[:, None])", "(pos[None, :] <= offs_m[:, None])", "test_ex5_visible"),
+    "ex5: a row does not see its own position": (
+        "ex5", "(pos[None, :] <= offset + offs_m[:, None])", "(pos[None, :] < offset + offs_m[:, None])",
+        "test_ex5_visible"),
+    "ex5: chunk rows read from row 0 of q, not cu_seqlens_q[b]": (
+        "ex5", "q_rows = (q_start + offs_m) * NUM_HEADS + h", "q_rows = offs_m * NUM_HEADS + h", "test_ex5_visible"),
+    "ex5: rows masked against the packed end cu_seqlens_q[b + 1], not q_len": (
+        "ex5", "row_ok = offs_m < q_len", "row_ok = offs_m < q_start + q_len", "test_ex5_visible"),
+    "ex5: cu_seqlens_q off by one (chunk one row short)": (
+        "ex5", "q_len = tl.load(cu_ptr + b + 1) - q_start", "q_len = tl.load(cu_ptr + b + 1) - q_start - 1",
+        "test_ex5_visible"),
+    "ex5: one KV head per query head index (h % Hkv), not h // G": (
+        "ex5", "kvh = h // (NUM_HEADS // NUM_KV_HEADS)", "kvh = h % NUM_KV_HEADS", "test_ex5_hidden"),
+    "ex5: accumulator not rescaled": ("ex5", "acc = acc * alpha[:, None] + tl.dot(p, v)", "acc = acc + tl.dot(p, v)",
+                                      "test_ex5_visible"),
+    "ex5: sum not rescaled": ("ex5", "l = l * alpha + tl.sum(p, axis=1)", "l = l + tl.sum(p, axis=1)",
+                              "test_ex5_visible"),
+    "ex5: last block read past the context length": (
+        "ex5", "v = tl.load(v_ptr + kv, mask=in_ctx[:, None], other=0.0)", "v = tl.load(v_ptr + kv)",
+        "test_ex5_visible"),
+    "ex5: padding rows stored": ("ex5", "acc / l[:, None], mask=row_ok[:, None])", "acc / l[:, None])",
+                                 "test_ex5_visible"),
+    "ex5: no causal skip (every block of the context read)": (
+        "ex5", "for i in range(0, tl.cdiv(end, BLOCK_SIZE)):", "for i in range(0, tl.cdiv(ctx, BLOCK_SIZE)):",
+        "test_ex5_visible"),
+    "ex5: loop stopped at the tile's first row": (
+        "ex5", "end = offset + tl.minimum(start_m + BLOCK_M, q_len)", "end = offset + start_m + 1",
+        "test_ex5_visible"),
 }
 
 
@@ -75,7 +110,8 @@ WRONG = {
 # metadata is checked in tests/course/test_notebooks.py).
 (notebook, test_solutions_pass_all_tests, test_wrong_answers_fail,
  test_library_answers_fail) = course.exercise_tests(
-    NOTEBOOK, EXERCISES, WRONG, on_kernel_device=True)
+    NOTEBOOK, EXERCISES, WRONG, on_kernel_device=True,
+    warnings_to_ignore=["ignore::RuntimeWarning"])  # a wrong kernel's NaN rows in the interpreter's numpy
 
 
 # -- the figures the prose states, recomputed from llmu.paged.waste (no model) -------------------
@@ -150,3 +186,32 @@ def test_the_benchmark_launcher_takes_a_16_bit_cache(notebook, tmp_path):
     assert out.dtype == torch.float16
     torch.testing.assert_close(out, kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens),
                                atol=2e-3, rtol=2e-3)
+
+
+# -- exercise 5: wrong answers fail with a message that names what is wrong ----------------------
+
+EX5_MESSAGES = {
+    "ex5: block table ignored (logical block read as physical)": "every row of the three chunks is written and finite",
+    "ex5: causal mask without the prefix offset": "chunk 1, 5 tokens after a prefix of 13",
+    "ex5: rows masked against the packed end cu_seqlens_q[b + 1], not q_len": "writes nothing past the end of out",
+    "ex5: cu_seqlens_q off by one (chunk one row short)": "every row of the three chunks is written and finite",
+    "ex5: one KV head per query head index (h % Hkv), not h // G": "SmolLM2's 9 query heads on 3 KV heads",
+    "ex5: accumulator not rescaled": "equal to reference.paged_prefill_attention",
+    "ex5: last block read past the context length": "every row of the three chunks is written and finite",
+    "ex5: padding rows stored": "writes nothing past the end of out",
+    "ex5: no causal skip (every block of the context read)": "no tile reads a block wholly after its last row",
+}
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("case", list(EX5_MESSAGES))
+def test_ex5_wrong_answers_name_the_property(case, notebook, tmp_path):
+    message = str(notebook.check_caught(*WRONG[case], workdir=tmp_path))
+    assert EX5_MESSAGES[case] in message, message
+
+
+def test_ex5_solution_is_a_real_kernel():
+    """Exercise 5's reference answer is a whole kernel: 30 to 50 lines of code in its solution region."""
+    lines = course.solution_code_lines(course.cells_by_grade_id(NOTEBOOK)["ex5_kernel"])
+    assert 30 <= lines <= 50, lines
+
