@@ -28,7 +28,8 @@ NOTEBOOK = Path(__file__).resolve().parents[2] / "solutions" / "02_attention" / 
 
 
 EXERCISES = {"ex1": course.Exercise.numbered(1), "ex2": course.Exercise.numbered(2),
-             "ex3": course.Exercise.numbered(3, after=["ex3_launcher"]), "ex4": course.Exercise.numbered(4)}
+             "ex3": course.Exercise.numbered(3, after=["ex3_launcher"]), "ex4": course.Exercise.numbered(4),
+             "ex5": course.Exercise.numbered(5)}
 
 
 # Exercise 2's GQA: query head h must use KV head h // (H // Hkv); tiling the KV heads gives it h % Hkv.
@@ -36,6 +37,13 @@ _GROUPED = ("k = reference.repeat_kv(k, n_heads // n_kv_heads)\n"
             "    v = reference.repeat_kv(v, n_heads // n_kv_heads)")
 _TILED = ("k = k.repeat(1, n_heads // n_kv_heads, 1, 1)\n"
           "    v = v.repeat(1, n_heads // n_kv_heads, 1, 1)")
+
+# Exercise 5's candidates: one topk over all beams' n * V scores, or (wrong) each beam's own top
+# candidates, walked beam after beam.
+_GLOBAL_TOPK = "top, flat = (sums[:, None] + logp).flatten().topk(min(2 * num_beams, logp.numel()))"
+_PER_BEAM_TOPK = ("per_beam = (sums[:, None] + logp).topk(min(2 * num_beams, vocab), dim=-1)\n"
+                  "            top = per_beam.values.flatten()\n"
+                  "            flat = (per_beam.indices + vocab * torch.arange(len(seqs), device=device)[:, None]).flatten()")
 
 WRONG = {
     # exercise, replaced text, replacement, the test cell that must catch it
@@ -78,6 +86,31 @@ WRONG = {
                                               "keep = z >= z.topk(top_k, dim=-1).values[..., -1:]", "test_ex4_hidden"),
     "ex4: temperature after the filters": ("ex4", "    z = z / temperature\n", "", "test_ex4_hidden"),
     "ex4: bad top_k accepted": ("ex4", "or top_k < 0:", "and top_k < 0:", "test_ex4_hidden"),
+    "ex5: top-k per beam, not over all beams": ("ex5", _GLOBAL_TOPK, _PER_BEAM_TOPK, "test_ex5_visible"),
+    "ex5: num_beams candidates, not 2 * num_beams": ("ex5", "topk(min(2 * num_beams,", "topk(min(num_beams,",
+                                                      "test_ex5_hidden"),
+    "ex5: raw logits summed, not log-probabilities": (
+        "ex5", "logp = torch.log_softmax(model(feed, cache=cache, last_only=True).logits[:, -1].float(), dim=-1)",
+        "logp = model(feed, cache=cache, last_only=True).logits[:, -1].float()", "test_ex5_visible"),
+    "ex5: probabilities multiplied (float32 underflow)": ("ex5", "(sums[:, None] + logp).flatten()",
+                                                          "(sums[:, None].exp() * logp.exp()).log().flatten()",
+                                                          "test_ex5_hidden"),
+    "ex5: cache rows not reordered (row i stays row i)": (
+        "ex5", "index = torch.tensor(parents, device=device)",
+        "index = torch.arange(len(parents), device=device) % cache.k[0].shape[0]", "test_ex5_hidden"),
+    "ex5: EOS beams kept expanding": ("ex5", "elif len(parents) < num_beams:", "if len(parents) < num_beams:",
+                                      "test_ex5_hidden"),
+    "ex5: EOS candidates below rank num_beams finish too": ("ex5", "if rank < num_beams:  ", "if True:  ",
+                                                            "test_ex5_hidden"),
+    "ex5: live beams finish without the length penalty": ("ex5", "finished += [(s / penalty, seq)",
+                                                          "finished += [(s, seq)", "test_ex5_visible"),
+    "ex5: the length counts the prompt": ("ex5", "penalty = logp.shape[-1], step ** length_penalty",
+                                          "penalty = logp.shape[-1], (len(prompt_ids) + step) ** length_penalty",
+                                          "test_ex5_hidden"),
+    "ex5: the first finished beam returned, not the best": ("ex5", "score, ids = max(finished, key=lambda f: f[0])",
+                                                            "score, ids = finished[0]", "test_ex5_hidden"),
+    "ex5: num_beams < 1 accepted": ("ex5", "not isinstance(value, int) or value < 1:", "not isinstance(value, int):",
+                                    "test_ex5_hidden"),
 }
 
 
@@ -87,6 +120,32 @@ WRONG = {
 (notebook, test_solutions_pass_all_tests, test_wrong_answers_fail,
  test_library_answers_fail) = course.exercise_tests(
     NOTEBOOK, EXERCISES, WRONG, on_kernel_device=True, warnings_to_ignore=["ignore::RuntimeWarning"])
+
+
+# Exercise 5's wrong answers fail with a message that names what is wrong, not only "values differ".
+EX5_MESSAGES = {
+    "ex5: top-k per beam, not over all beams": "two beams find [2, EOS]",
+    "ex5: raw logits summed, not log-probabilities": "the greedy tokens' summed log-probability / 8",
+    "ex5: probabilities multiplied (float32 underflow)": "returned score -inf",
+    "ex5: cache rows not reordered (row i stays row i)": "the whole sequence, read back from the cache",
+    "ex5: EOS beams kept expanding": "before their end",
+    "ex5: EOS candidates below rank num_beams finish too": "depend on the last token only",
+    "ex5: the length counts the prompt": "[EOS] at step 1 against [1, 1, 1] at step 3: its score",
+    "ex5: the first finished beam returned, not the best": "[EOS] at step 1 against [1, 1, 1] at step 3: the best",
+    "ex5: num_beams < 1 accepted": "num_beams = -1 raises ValueError",
+}
+
+
+@pytest.mark.parametrize("case", list(EX5_MESSAGES))
+def test_ex5_wrong_answers_name_the_property(case, notebook, tmp_path):
+    message = str(notebook.check_caught(*WRONG[case], workdir=tmp_path))
+    assert EX5_MESSAGES[case] in message, message
+
+
+def test_ex5_solution_is_a_design_of_30_to_50_lines():
+    """Beam search with a reordered cache is a real design: its solution region has 30 to 50 lines of code."""
+    lines = course.solution_code_lines(course.cells_by_grade_id(NOTEBOOK)["ex5_solution"])
+    assert 30 <= lines <= 50, lines
 
 
 # ---------------------------------------------------------------------------------------------
