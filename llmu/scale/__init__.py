@@ -12,6 +12,9 @@
 - :mod:`llmu.scale.isoflop`: a scaling law fitted from your own runs (Hoffmann et al.'s approach
   2): an isoFLOP grid of small byte-level models trained on this CPU in about a minute, a
   parabola in ``ln N`` per budget, and power laws through the optima;
+- :mod:`llmu.scale.parametric`: the same runs fitted the third way, the loss surface
+  ``L(N, D) = E + A/N^α + B/D^β`` by a Huber loss on log residuals and L-BFGS from a grid of starts,
+  and the allocation it implies;
 - :mod:`llmu.scale.bench`: the ``train_step`` benchmark entry.
 
 Course notebook: ``15_scale``. There is no Triton kernel in this module: it measures and prices

@@ -56,7 +56,7 @@ of one-layer models of 4 K to 40 K parameters, at 1.5e10, 3e10 and 6e10 FLOPs, t
 45 s on one thread. Each budget gives a valley with its bottom inside the sizes trained; ``N_opt``
 grows from about 7 K to 10.5 K to 13.5 K parameters, at about 45 tokens per parameter (more than
 Chinchilla's 20, which counted all parameters, at a scale a million times larger), and
-``a`` comes out between 0.39 and 0.53 over three seeds. The valleys are noisy: at this size a
+``a`` comes out between 0.38 and 0.53 over three seeds. The valleys are noisy: at this size a
 run's loss moves by up to 0.18 nats from one seed to the next, and a budget range of 4x pins the
 exponent no closer than that.
 
@@ -110,7 +110,7 @@ __all__ = ["BUDGETS", "SIZES", "BATCH", "SEQ_LEN", "HEAD_DIM", "PEAK_LR", "WARMU
 #   3e10     2.03/2.08/2.05  1.82/1.80/1.79  1.80/1.81/1.80  1.92/2.09/2.00  2.22/2.22/2.19  10.7K/10.4K/10.7K
 #   6e10     -               1.68/1.69/1.73  1.66/1.66/1.67  1.69/1.77/1.70  1.95/2.01/1.91  13.5K/12.3K/14.8K
 #
-# a = 0.42 / 0.39 / 0.53 (b = 0.58 / 0.61 / 0.47): N_opt grows with C for every seed, and every
+# a = 0.42 / 0.38 / 0.53 (b = 0.58 / 0.62 / 0.47): N_opt grows with C for every seed, and every
 # vertex lies inside its sizes. The 13 runs took 46 s / 52 s of wall-clock time for seeds 0 / 1
 # (44 s / 46 s of CPU time; seed 2 ran beside another job: 54 s of CPU time). The optimum sits at
 # about 45 tokens per (matmul) parameter. A check beyond the grid, at 1.2e11 FLOPs (sizes 16x1 to

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ast
 
+import pytest
+
 import llmu  # noqa: F401
 from llmu import course
 
@@ -19,6 +21,15 @@ NOTEBOOK = course.repo_root() / "solutions" / "15_scale" / "15_scale.ipynb"
 
 EXERCISES = {f"ex{n}": course.Exercise.numbered(n) for n in (1, 2, 3, 4)}
 EXERCISES["ex5"] = course.Exercise.numbered(5, after=("ex5_helpers",))
+EXERCISES["ex6"] = course.Exercise.numbered(6, after=("ex6_helpers",))
+
+
+def _recorded_runs(namespace):
+    """Stands in for exercise 5's experiment cell (a minute of training): exercise 6's hidden test
+    fits the learner's ``my_runs``, here the default grid's runs with the losses seed 0 gave."""
+    from llmu.scale.parametric import recorded_runs
+
+    namespace["my_runs"] = recorded_runs(0)
 
 
 WRONG = {
@@ -69,6 +80,43 @@ WRONG = {
     "ex5: a vertex outside the sizes accepted": ("ex5", "        if not x.min() <= x_min <= x.max():\n", "        if False:\n",
                                                  "test_ex5_hidden"),
     "ex5: a single budget accepted": ("ex5", "    if len(profiles) < 2:\n", "    if False:\n", "test_ex5_hidden"),
+    "ex6: residuals of L, not of log L": ("ex6", "r = torch.logsumexp(torch.stack(terms), dim=0) - log_loss",
+                                          "r = torch.logsumexp(torch.stack(terms), dim=0).exp() - log_loss.exp()",
+                                          "test_ex6_visible"),
+    "ex6: squared loss": ("ex6", "huber = torch.where(r.abs() <= delta, 0.5 * r**2, delta * (r.abs() - 0.5 * delta))",
+                          "huber = 0.5 * r**2", "test_ex6_visible"),
+    "ex6: one start, at zero": ("ex6", "starts = grid[objective(grid).argsort()[:16]]",
+                                "starts = torch.zeros(1, 5, dtype=torch.float64)", "test_ex6_hidden"),
+    "ex6: torch's default max_iter and tolerances": ("ex6", "max_iter=100, tolerance_grad=1e-12, tolerance_change=1e-15,\n"
+                                                     "                                  line_search_fn",
+                                                     "line_search_fn", "test_ex6_visible"),
+    "ex6: no E term": ("ex6", "terms = torch.broadcast_tensors(e, a - alpha * log_n, b - beta * log_d)",
+                       "terms = torch.broadcast_tensors(a - alpha * log_n, b - beta * log_d)", "test_ex6_visible"),
+    "ex6: A and B returned as logs": ("ex6", '"A": math.exp(a), "B": math.exp(b)', '"A": a, "B": b', "test_ex6_visible"),
+    "ex6: a = alpha / (alpha + beta)": ("ex6", "a, b = beta / (alpha + beta), alpha / (alpha + beta)",
+                                        "a, b = alpha / (alpha + beta), beta / (alpha + beta)", "test_ex6_visible"),
+    "ex6: G without its power": ("ex6", "g = (alpha * big_a / (beta * big_b)) ** (1 / (alpha + beta))",
+                                 "g = alpha * big_a / (beta * big_b)", "test_ex6_visible"),
+    "ex6: D_opt without the 6": ("ex6", '"k_d": 1 / (6 * k)', '"k_d": 1 / k', "test_ex6_visible"),
+    "ex6: four runs accepted": ("ex6", "    if len(runs) < 5:\n", "    if False:\n", "test_ex6_hidden"),
+    "ex6: a non-positive loss accepted": ("ex6", "torch.isfinite(values).all() and (values > 0).all()",
+                                          "torch.isfinite(values).all()", "test_ex6_hidden"),
+    "ex6: a negative exponent accepted": ("ex6", "    if min(big_a, big_b, alpha, beta) <= 0:\n",
+                                          "    if min(big_a, big_b) <= 0:\n", "test_ex6_hidden"),
+}
+
+# What the named test cell says for the wrong answers of exercise 6 that need explaining.
+EX6_MESSAGES = {
+    "ex6: residuals of L, not of log L": "within 0.5 % of llmu's optimum",
+    "ex6: squared loss": "within 0.5 % of llmu's optimum",
+    "ex6: one start, at zero": "with one diverged run",
+    "ex6: torch's default max_iter and tolerances": "E within 2 % of the true 1.69",
+    "ex6: no E term": "E within 2 % of the true 1.69",
+    "ex6: A and B returned as logs": "A and B within a factor of 1.5",
+    "ex6: a = alpha / (alpha + beta)": "a = beta / (alpha + beta) and b = alpha / (alpha + beta)",
+    "ex6: G without its power": "k = G / 6^a",
+    "ex6: D_opt without the 6": "k_d = 1 / (6 k)",
+    "ex6: a negative exponent accepted": "no optimum",
 }
 
 
@@ -76,7 +124,34 @@ WRONG = {
 # caught by the test cell named for it (cell metadata is checked in tests/course/test_notebooks.py).
 (notebook, test_solutions_pass_all_tests, test_wrong_answers_fail,
  test_library_answers_fail) = course.exercise_tests(
-    NOTEBOOK, EXERCISES, WRONG)
+    NOTEBOOK, EXERCISES, WRONG, setup_hook=_recorded_runs)
+
+
+@pytest.mark.parametrize("case", list(EX6_MESSAGES))
+def test_ex6_wrong_answers_name_the_property(case, notebook, tmp_path):
+    message = str(notebook.check_caught(*WRONG[case], workdir=tmp_path))
+    assert EX6_MESSAGES[case] in message, message
+
+
+def test_ex6_solution_is_a_design_of_30_to_50_lines():
+    """Exercise 6's reference answer is a real design: 30 to 50 lines of code in its solution regions."""
+    assert 30 <= course.solution_code_lines(course.cells_by_grade_id(NOTEBOOK)["ex6_solution"]) <= 50
+
+
+def test_ex6_prose_figures_are_llmus():
+    """The figures section 5.2 and the summary quote for the default grid's runs are what llmu's fit gives
+    on the recorded losses of seeds 0, 1 and 2, and what exercise 5's approach gives on them."""
+    from llmu.scale import isoflop, parametric
+
+    cells = course.cells_by_grade_id(NOTEBOOK)
+    a3 = [parametric.allocation_law(parametric.fit_runs(parametric.recorded_runs(s))).a for s in (0, 1, 2)]
+    a2 = [isoflop.fit_isoflop(parametric.recorded_runs(s)).a for s in (0, 1, 2)]
+    assert [round(a, 2) for a in a3] == [0.29, 0.25, 0.30], a3
+    assert [round(a, 2) for a in a2] == [0.42, 0.38, 0.53], a2
+    assert "0.25 to 0.30 over three seeds" in " ".join(cells["summary"].split())
+    written = " ".join(cells["ex6_written"].split())
+    assert "approach 2 gave $a = 0.42$ and approach 3 gives $a = 0.29$" in written
+    assert "approach 3 gave 0.29, 0.25 and 0.30 where approach 2 gave 0.42, 0.38 and 0.53" in written
 
 
 def test_no_test_cell_reads_the_measured_run():
