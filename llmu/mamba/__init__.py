@@ -17,7 +17,8 @@
 - :mod:`llmu.mamba.tasks`: the selective-copying task of the Mamba paper and plain copying
   (seeded batches, loss and accuracy on the answer positions only).
 - :mod:`llmu.mamba.train`: a small ``MambaLM`` and a same-size attention model (llmu's Llama
-  decoder) trained on those tasks on CPU (``train_copying``).
+  decoder) trained on those tasks on CPU (``train_copying``); ``mamba_model(block_class=...)``
+  builds the model from blocks of a learner's own class (notebook 13's selection ablation).
 - :mod:`llmu.mamba.picture`: the Blelloch scan recorded round by round, and the figure the
   notebook's slider draws.
 - :mod:`llmu.mamba.bench`: the ``mamba_selective_scan`` benchmark entry (the scan beside attention).

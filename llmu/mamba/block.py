@@ -30,7 +30,11 @@ float32). :meth:`MambaBlock.step` consumes one token and returns the new states;
 prompt can be prefilled in one parallel pass and continued step by step.
 
 :class:`MambaLM`: embedding, ``n_layers`` blocks each as ``h = h + block(rms_norm(h))``, a final
-RMSNorm and a head tied to the embedding (``selective=False``: every block time-invariant).
+RMSNorm and a head tied to the embedding (``selective=False``: every block time-invariant). With
+``block_class``, the blocks are a class of your own (a learner's block, notebook 13's exercise 6):
+each is built with the sizes of the ``MambaBlock`` it replaces and loads that block's initial
+weights (``load_from``), so that a model of your blocks starts where llmu's does, seed for seed.
+Such a model has ``forward`` only: ``step`` and ``generate`` need ``MambaBlock``'s decode interface.
 """
 
 from __future__ import annotations
@@ -188,14 +192,21 @@ class MambaLM(nn.Module):
     """A tiny Mamba language model: embedding, pre-norm residual blocks, final norm, tied head."""
 
     def __init__(self, vocab_size: int, d_model: int = 64, n_layers: int = 2, d_state: int = 16,
-                 d_conv: int = 4, expand: int = 2, selective: bool = True):
+                 d_conv: int = 4, expand: int = 2, selective: bool = True, block_class: type | None = None):
         super().__init__()
         self.embedding = nn.Embedding(vocab_size, d_model)
         nn.init.normal_(self.embedding.weight, std=0.02)
         self.blocks = nn.ModuleList(MambaBlock(d_model, d_state, d_conv, expand, selective=selective)
                                     for _ in range(n_layers))
+        if block_class is not None:
+            self.blocks = nn.ModuleList(_own_block(block_class, block) for block in self.blocks)
         self.norms = nn.ModuleList(RMSNorm(d_model, requires_grad=True) for _ in range(n_layers))
         self.norm_f = RMSNorm(d_model, requires_grad=True)
+
+    @property
+    def own_blocks(self) -> bool:
+        """True when the blocks are not ``MambaBlock`` (``block_class``): ``forward`` only."""
+        return not all(isinstance(block, MambaBlock) for block in self.blocks)
 
     def head(self, h):
         return h @ self.embedding.weight.t()                          # tied to the embedding
@@ -203,9 +214,16 @@ class MambaLM(nn.Module):
     def forward(self, ids: torch.Tensor, impl: str = "parallel", return_state: bool = False):
         """``ids`` ``(B, L)`` -> logits ``(B, L, V)``; with ``return_state`` also the list of every
         block's ``(conv_state, ssm_state)`` for :meth:`step`."""
+        own = self.own_blocks
+        if own and (return_state or impl != "parallel"):
+            raise ValueError("a MambaLM of blocks of your own class runs forward(ids) only: impl and return_state "
+                             "are MambaBlock's")
         h = self.embedding(ids)
         states = []
         for norm, block in zip(self.norms, self.blocks):
+            if own:
+                h = h + block(norm(h))
+                continue
             r = block(norm(h), impl=impl, return_state=return_state)
             if return_state:
                 r, st = r
@@ -215,10 +233,14 @@ class MambaLM(nn.Module):
         return (logits, states) if return_state else logits
 
     def allocate_state(self, batch: int, device=None):
+        if self.own_blocks:
+            raise ValueError("a MambaLM of blocks of your own class has no decode state: forward(ids) only")
         return [block.allocate_state(batch, device) for block in self.blocks]
 
     def step(self, ids_t: torch.Tensor, states):
         """One token per sequence: ``ids_t`` ``(B,)`` -> logits ``(B, V)`` and the new states."""
+        if self.own_blocks:
+            raise ValueError("a MambaLM of blocks of your own class cannot step: forward(ids) only")
         h = self.embedding(ids_t)
         new_states = []
         for norm, block, (conv, ssm) in zip(self.norms, self.blocks, states):
@@ -238,3 +260,16 @@ class MambaLM(nn.Module):
             logits_t, states = self.step(nxt, states)
             nxt = logits_t.argmax(-1)
         return torch.cat(out, dim=1)
+
+
+def _own_block(block_class, block: MambaBlock) -> nn.Module:
+    """A block of ``block_class`` with the sizes of the library ``block``, holding its weights."""
+    if not isinstance(block_class, type):
+        raise TypeError(f"block_class must be a class, got {type(block_class).__name__}")
+    mine = block_class(block.d_model, d_state=block.d_state, d_conv=block.d_conv,
+                       expand=block.d_inner // block.d_model)
+    if not isinstance(mine, nn.Module) or not callable(getattr(mine, "load_from", None)):
+        raise TypeError(f"block_class must build an nn.Module with a load_from(block) method, got "
+                        f"{type(mine).__name__}")
+    mine.load_from(block)
+    return mine

@@ -18,6 +18,7 @@ seeded: with one thread, two runs with the same arguments give the same curves.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -29,7 +30,7 @@ from llmu.mamba.block import MambaLM
 from llmu.models import LlamaConfig, make_trainable
 
 __all__ = ["AttentionLM", "TrainingRun", "mamba_model", "attention_model", "num_parameters", "train_copying",
-           "TASKS"]
+           "being_graded", "TASKS"]
 
 #: The tasks :func:`train_copying` knows, by name.
 TASKS = {"selective": tasks.selective_copying_batch, "copying": tasks.copying_batch}
@@ -50,6 +51,18 @@ class AttentionLM(nn.Module):
         return self.model(ids).logits
 
 
+def being_graded() -> bool:
+    """True while grading code (``llmu grade``, a class's autograde) runs this process's notebook:
+    ``LLMU_AUTOGRADING`` (:data:`llmu.runtime.AUTOGRADING_ENV`) is set and not ``0``.
+
+    Notebook 13's experiment cell trains only when it is false: a graded notebook is scored on runs
+    the test cell trains itself with the learner's classes, so training in the cell too would only
+    double the time grading takes."""
+    from llmu.runtime import AUTOGRADING_ENV
+
+    return os.environ.get(AUTOGRADING_ENV, "").strip() not in ("", "0")
+
+
 def num_parameters(model: nn.Module) -> int:
     """Trainable parameters, each tensor counted once (a tied head adds nothing)."""
     seen, total = set(), 0
@@ -61,11 +74,17 @@ def num_parameters(model: nn.Module) -> int:
 
 
 def mamba_model(vocab: int, d_model: int = 32, n_layers: int = 2, d_state: int = 8, seed: int = 0,
-                selective: bool = True) -> MambaLM:
+                selective: bool = True, block_class: type | None = None) -> MambaLM:
     """A small :class:`MambaLM` (expand 2, conv width 4), seeded. ``selective=False`` builds the
-    time-invariant ablation (``Δ``, ``B``, ``C`` learnt but the same at every step, as in S4)."""
+    time-invariant ablation (``Δ``, ``B``, ``C`` learnt but the same at every step, as in S4).
+
+    ``block_class``: blocks of your own class in place of ``MambaBlock``, each built as
+    ``block_class(d_model, d_state=..., d_conv=..., expand=...)`` and loading, with its
+    ``load_from``, the initial weights of the ``MambaBlock`` it replaces (selective or not, as
+    ``selective`` says): the same start as llmu's model with the same seed."""
     torch.manual_seed(seed)                            # MambaBlock draws its Δ initialisation from torch's RNG
-    return MambaLM(vocab, d_model=d_model, n_layers=n_layers, d_state=d_state, selective=selective)
+    return MambaLM(vocab, d_model=d_model, n_layers=n_layers, d_state=d_state, selective=selective,
+                   block_class=block_class)
 
 
 def attention_model(vocab: int, d_model: int = 32, n_layers: int = 2, n_heads: int = 4,
@@ -106,19 +125,32 @@ class TrainingRun:
 def train_copying(model: nn.Module, *, task: str = "selective", context_len: int = 32, n_data: int = 4,
                   n_symbols: int = 8, steps: int = 300, batch: int = 32, lr: float = 3e-3, warmup: int = 20,
                   seed: int = 0, eval_batch: int = 256, name: str | None = None,
-                  time_budget_s: float | None = None) -> TrainingRun:
+                  time_budget_s: float | None = None, threads: int | None = None) -> TrainingRun:
     """Train ``model`` (``ids -> logits``) on ``task`` (``"selective"`` or ``"copying"``).
 
     AdamW (weight decay 0.01 on matrices only), learning rate ``lr`` with ``warmup`` linear steps
     then cosine to a tenth, gradient norm clipped at 1. A fresh batch each step from a generator
     seeded with ``seed``; the evaluation batch comes from another seed (``seed + 10_000``), so it
     is data the model never trained on. ``time_budget_s`` stops early when it is exceeded (the
-    curves are then shorter than ``steps``)."""
+    curves are then shorter than ``steps``). ``threads``: torch's intra-op threads while it trains
+    and evaluates, restored afterwards (``1`` makes a run reproducible bit for bit on any machine);
+    ``None`` leaves torch's setting alone."""
     if task not in TASKS:
         raise ValueError(f"task must be one of {sorted(TASKS)}, got {task!r}")
     for arg, value in dict(steps=steps, batch=batch, warmup=warmup + 1, eval_batch=eval_batch).items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{arg} must be a positive int, got {value!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be a positive int or None, got {threads!r}")
+    if threads is not None:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return train_copying(model, task=task, context_len=context_len, n_data=n_data, n_symbols=n_symbols,
+                                 steps=steps, batch=batch, lr=lr, warmup=warmup, seed=seed, eval_batch=eval_batch,
+                                 name=name, time_budget_s=time_budget_s)
+        finally:
+            torch.set_num_threads(before)
     make = TASKS[task]
     g = torch.Generator().manual_seed(seed)
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]

@@ -4,7 +4,8 @@ pass every test cell, hidden parts included, and typical wrong answers fail them
 The whole notebook (pictures, decode memory with SmolLM2, training, the benchmark) is executed by
 the course-wide notebook tests. Exercise 2 uses exercise 1's ``my_discretize``; exercise 4's kernel
 needs the locked cells around it (the scan operator before it, the launcher after it). Kernels are
-compiled from a file (``course.exec_cell``): Triton reads a kernel's source back.
+compiled from a file (``course.exec_cell``): Triton reads a kernel's source back. Exercise 6's block
+builds on exercise 5's; its experiment (four training runs of about 10 s each) runs in the slow tests.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import json
 import math
 import re
+
+import pytest
 
 import llmu  # noqa: F401  (Triton mode first: the exercise kernel is defined below)
 from llmu import course
@@ -27,6 +30,8 @@ EXERCISES = {
     "ex4": course.Exercise("ex4_kernel", ("test_ex4_visible", "test_ex4_hidden"), before=("ex4_helpers",),
                            after=("ex4_launcher",)),
     "ex5": course.Exercise.numbered(5, before=["ex1_solution", "ex2_solution"], after=["ex5_helpers"]),
+    "ex6": course.Exercise.numbered(6, before=["ex1_solution", "ex2_solution", "ex5_solution", "ex5_helpers"],
+                                    after=["ex6_helpers"]),
 }
 
 
@@ -89,6 +94,33 @@ WRONG = {
         "        self.in_proj, self.x_proj, self.dt_proj, self.out_proj = block.in_proj, block.x_proj, block.dt_proj, "
         "block.out_proj\n        for mine, theirs in pairs[1:3] + pairs[6:8]:\n            mine.copy_(theirs)",
         "test_ex5_hidden"),
+    "ex6: Δ computed from the input": ("ex6", "F.softplus(self.dt_bias).expand(*lead, self.d_inner)",
+                                       "F.softplus(self.dt_bias + x)", "test_ex6_visible"),
+    "ex6: Δ without softplus": ("ex6", "F.softplus(self.dt_bias).expand(", "self.dt_bias.expand(", "test_ex6_visible"),
+    "ex6: x_proj and dt_proj left in the block": ("ex6", "        del self.x_proj, self.dt_proj", "        pass",
+                                                  "test_ex6_visible"),
+    "ex6: B and C swapped": ("ex6", "self.B.expand(*lead, self.d_state),\n                self.C.expand(*lead, self.d_state)",
+                             "self.C.expand(*lead, self.d_state),\n                self.B.expand(*lead, self.d_state)",
+                             "test_ex6_hidden"),          # the output sees only the products B_n C_n; the state does not
+    "ex6: one step bias for every channel": ("ex6", "self.dt_bias = nn.Parameter(torch.zeros(self.d_inner))",
+                                             "self.dt_bias = nn.Parameter(torch.zeros(1))", "test_ex6_visible"),
+    "ex6: B read per channel from the conv output": ("ex6", "self.B.expand(*lead, self.d_state),",
+                                                     "self.B * x[..., :1],", "test_ex6_visible"),
+    "ex6: a selective block accepted": ("ex6", "        if block.selective:\n", "        if False:\n", "test_ex6_hidden"),
+    "ex6: shapes not checked": ("ex6", "            if mine.shape != theirs.shape:\n", "            if False:\n",
+                                "test_ex6_hidden"),
+    "ex6: load_from shares the block's tensors": ("ex6", "            mine.copy_(theirs)", "            mine.data = theirs",
+                                                  "test_ex6_hidden"),
+}
+
+# What the failing check says for the most common mistakes of exercise 6 (a fragment of its message).
+EX6_MESSAGES = {
+    "ex6: Δ computed from the input": "forward equals MambaBlock(..., selective=False).forward",
+    "ex6: x_proj and dt_proj left in the block": "as many numbers as MambaBlock(..., selective=False)'s",
+    "ex6: B read per channel from the conv output": "forward equals MambaBlock(..., selective=False).forward",
+    "ex6: a selective block accepted": "load_from of a selective MambaBlock",
+    "ex6: shapes not checked": "raised RuntimeError",
+    "ex6: load_from shares the block's tensors": "load_from copies",
 }
 
 
@@ -188,3 +220,150 @@ def test_self_check_counts_the_exercise_5_state():
     window, h = E * (d_conv - 1) * 4, E * d_state * 4
     text = _prose("self_check")
     assert f"$32 \\times 3 \\times 4 = {window}$ bytes and $h$ is $32 \\times 4 \\times 4 = {h}$, {window + h} bytes" in text
+
+
+@pytest.mark.parametrize("case", list(EX6_MESSAGES))
+def test_ex6_wrong_answers_name_the_property(case, notebook, tmp_path):
+    message = str(notebook.check_caught(*WRONG[case], workdir=tmp_path))
+    assert EX6_MESSAGES[case] in message, message
+
+
+def test_ex6_solution_is_a_design_of_25_to_45_lines():
+    """Exercise 6's answer (the block and the experiment's runs) is 25 to 45 lines of code."""
+    cells = course.cells_by_grade_id(NOTEBOOK)
+    lines = course.solution_code_lines(cells["ex6_solution"]) + course.solution_code_lines(cells["ex6_experiment"])
+    assert 25 <= lines <= 45, lines
+
+
+def test_the_no_selection_property_tells_the_two_blocks_apart(notebook, tmp_path):
+    """The no-selection test (token_interaction at s, m >= s + d_conv, t = m + 1) holds for the
+    time-invariant solution within rounding (2e-7 when last measured; the bar is 2e-6) and fails for
+    exercise 5's selective block on every case the tests use, by at least 100 times the bar (2.6e-4 at
+    least when last measured); ex6_md states the visible case's figure."""
+    import torch
+
+    ns = notebook.namespace("ex6", tmp_path)
+    cases = [(16, 4, 4, 2, 12, 0, 1, 6, 7, 0)] + [(H, N, K, ex, L, seed, 0, K, K + 1, seed) for H, N, K, ex, L, seed in
+                                                    ((12, 5, 2, 2, 29, 5), (20, 6, 4, 2, 17, 6), (9, 2, 3, 2, 8, 7),
+                                                     (16, 4, 4, 3, 13, 8))]
+    for H, N, K, ex, L, seed, s, m, t, draw in cases:
+        sizes = dict(d_state=N, d_conv=K, expand=ex)
+        x = torch.randn(2, L, H, generator=torch.Generator().manual_seed(1 if L == 12 else seed))
+        _, lti = ns["lti_pair"](H, seed=seed, **sizes)
+        _, sel = ns["block_pair"](H, seed=seed, **sizes)
+        assert ns["token_interaction"](lti, x, s, m, t, seed=draw) < 2e-7 * 3, (H, N, K)
+        gap = ns["token_interaction"](sel, x, s, m, t, seed=draw)
+        assert gap > 100 * 2e-6, (H, N, K, gap)
+        if L == 12:
+            stated = f"{gap:.1e}".replace("e-0", "e-")
+            assert f"exercise 5's solution gives {stated}, {round(gap / 2e-6, -1):.0f} times the bar" in _prose("ex6_md")
+
+
+def _ex6_thresholds():
+    import re
+
+    test = course.cells_by_grade_id(NOTEBOOK)["test_ex6_experiment"]
+    (x,) = re.findall(r"check\(_sel >= ([0-9.]+),", test)
+    (y,) = re.findall(r"check\(_lti <= ([0-9.]+),", test)
+    return float(x), float(y)
+
+
+def test_ex6_thresholds_and_budget_are_stated_as_the_test_uses_them():
+    x, y = _ex6_thresholds()
+    text = _prose("ex6_experiment_md")
+    assert f"at least **{x:.0%}**" in text and f"at most **{y:.0%}**" in text
+    cells = course.cells_by_grade_id(NOTEBOOK)
+    for cell in ("ex6_experiment", "test_ex6_experiment"):
+        assert "steps=800, batch=16" in cells[cell] and "lr=1e-2" in cells[cell], cell
+    assert "batch 16, 800 steps at learning rate 1e-2" in text
+
+
+def test_the_experiment_refuses_llmus_block_before_training(notebook, tmp_path):
+    """The experiment's test cell checks the learner's own work first: with llmu's MambaBlock handed
+    back as MyLTIMambaBlock it fails at once, without the grader's training runs."""
+    from llmu.grading import CheckFailed
+
+    cells = course.cells_by_grade_id(NOTEBOOK)
+    for variant in ("alias", "wrapper"):
+        cheat = course.library_answer_cheat("MyLTIMambaBlock", '"llmu.mamba.block.MambaBlock"', variant)
+        ns = notebook.namespace("ex6", tmp_path, cells["ex6_solution"] + "\n" + cheat)
+        ns["my_runs"] = {}
+        with pytest.raises(CheckFailed, match="a ready-made answer"):
+            course.exec_cell(cells["test_ex6_experiment"], ns, tmp_path, "test_ex6_experiment")
+
+
+def test_the_experiment_cell_does_not_train_when_graded(notebook, tmp_path, monkeypatch):
+    """Graded (LLMU_AUTOGRADING=1), the experiment cell leaves its two runs out: the test cell trains
+    the runs it scores, so grading trains two models, not four."""
+    from llmu.runtime import AUTOGRADING_ENV
+
+    monkeypatch.setenv(AUTOGRADING_ENV, "1")
+    ns = notebook.namespace("ex6", tmp_path)
+    ns.update(SYMBOLS=8, CONTEXT=16, N_DATA=4, V=10)
+    ns["train_copying"] = lambda *a, **k: pytest.fail("the experiment cell trained while graded")
+    course.exec_cell(notebook.cells["ex6_experiment"], ns, tmp_path, "ex6_experiment")
+    assert ns["my_runs"] is None
+
+
+# -- exercise 6's experiment: graded on the outcome of runs the grader trains itself ---------------
+# (the solution passes it in the course-wide run of the whole notebook)
+
+def _experiment(notebook, workdir, solution: str | None = None):
+    """Run exercise 6's experiment cell and then its test cell, with ``solution`` in place of the
+    exercise's solution cell: four training runs of 800 steps (the learner's two, the grader's two)."""
+    import torch
+
+    ns = notebook.namespace("ex6", workdir, solution)
+    ns.update(SYMBOLS=8, CONTEXT=16, N_DATA=4, V=10)          # section 2's task (its demo cell defines them)
+    threads = torch.get_num_threads()
+    try:
+        course.exec_cell(notebook.cells["ex6_experiment"], ns, workdir, "ex6_experiment")
+        course.exec_cell(notebook.cells["test_ex6_experiment"], ns, workdir, "test_ex6_experiment")
+    finally:
+        torch.set_num_threads(threads)
+    return ns
+
+
+@pytest.mark.slow
+def test_the_experiment_passes_the_solution(notebook, tmp_path):
+    """The solution clears both bars by 0.1 or more, and gives the seed-0 figures the prose states."""
+    ns = _experiment(notebook, tmp_path)
+    x, y = _ex6_thresholds()
+    sel, lti = ns["my_runs"]["selective"].eval_accuracy, ns["my_runs"]["time-invariant"].eval_accuracy
+    assert sel >= x + 0.1 and lti <= y - 0.1, (sel, lti)
+    assert f"with the grader's seed 0: {sel:.1%} and {lti:.1%}" in _prose("ex6_experiment_md")
+    assert f"{lti:.1%} against {sel:.1%} for one block after 800 steps" in _prose("summary")
+
+
+@pytest.mark.slow
+def test_the_experiment_fails_a_block_that_still_selects(notebook, tmp_path):
+    """A "time-invariant" block that never took the selection out (exercise 5's block, loading the
+    weights it shares with the time-invariant one and the step bias into dt_proj's bias, x_proj and
+    dt_proj's weight left at their own initialisation) learns the task: the grader's run fails the
+    time-invariant bar."""
+    selects = """
+class MyLTIMambaBlock(MyMambaBlock):
+    @torch.no_grad()
+    def load_from(self, block):
+        for mine, theirs in ((self.in_proj.weight, block.in_proj.weight), (self.conv_weight, block.conv1d.weight[:, 0]),
+                             (self.conv_bias, block.conv1d.bias), (self.dt_proj.bias, block.dt_bias),
+                             (self.A_log, block.A_log), (self.D, block.D), (self.out_proj.weight, block.out_proj.weight)):
+            mine.copy_(theirs)
+"""
+    with pytest.raises(AssertionError, match="the time-invariant model does not"):
+        _experiment(notebook, tmp_path, selects)
+
+
+def test_a_random_data_token_is_right_as_often_as_stated():
+    """ablation_read: answering each marker with one of the four data tokens, picked at random, is
+    right (1 + 3/8)/4 of the time: the wanted token, or another that carries the same symbol."""
+    import torch
+
+    from llmu.mamba import tasks
+
+    batch = tasks.selective_copying_batch(20_000, 16, 4, 8, generator=0)
+    same = (batch.answer[:, :, None] == batch.answer[:, None, :]).float()     # (B, marker, data token)
+    rate = float(same.mean())
+    assert abs(rate - (1 + 3 / 8) / 4) < 0.005, rate
+    assert f"$(1 + 3/8)/4 \\approx {round(100 * (1 + 3 / 8) / 4)}\\%$ of the time" in _prose("ablation_read")
+    assert torch.equal(batch.answer, batch.targets[:, 16:])

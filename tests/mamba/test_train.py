@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from llmu.mamba import tasks
-from llmu.mamba.train import AttentionLM, attention_model, mamba_model, num_parameters, train_copying
+from llmu.mamba.train import AttentionLM, attention_model, being_graded, mamba_model, num_parameters, train_copying
 
 V = tasks.vocab_size(8)
 
@@ -91,3 +91,85 @@ def test_bad_arguments():
         train_copying(mamba_model(V), steps=0)
     with pytest.raises(ValueError, match="n_heads"):
         attention_model(V, d_model=30, n_heads=4)
+    for threads in (0, 1.0, True):
+        with pytest.raises(ValueError, match="threads"):
+            train_copying(mamba_model(V), steps=1, threads=threads)
+
+
+def test_threads_are_set_for_the_run_and_restored():
+    before = torch.get_num_threads()
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = mamba_model(V)
+
+        def forward(self, ids):
+            seen.append(torch.get_num_threads())
+            return self.inner(ids)
+
+    run = train_copying(Probe(), context_len=8, n_data=2, steps=2, eval_batch=8, threads=1)
+    assert seen == [1, 1, 1] and len(run.loss) == 2        # two steps and the evaluation
+    assert torch.get_num_threads() == before
+
+
+class _OwnBlock(torch.nn.Module):
+    """A block of "your own" class, as notebook 13's exercise 6 hands one to ``mamba_model``: built from
+    the sizes, then given the library block's weights by ``load_from`` (a copy, not the block itself)."""
+
+    def __init__(self, d_model, d_state=16, d_conv=4, expand=2):
+        super().__init__()
+        self.sizes = (d_model, d_state, d_conv, expand)
+        self.inner = None
+
+    def load_from(self, block):
+        import copy
+
+        self.inner = copy.deepcopy(block)
+
+    def forward(self, x):
+        return self.inner(x, impl="sequential")
+
+
+@pytest.mark.parametrize("selective", [True, False])
+def test_a_model_of_your_own_blocks_starts_where_llmus_does(selective):
+    ids = tasks.selective_copying_batch(3, 16, 4, 8, generator=1).inputs
+    ref = mamba_model(V, seed=3, selective=selective)
+    mine = mamba_model(V, seed=3, selective=selective, block_class=_OwnBlock)
+    assert all(isinstance(b, _OwnBlock) and b.sizes == (32, 8, 4, 2) for b in mine.blocks)
+    assert mine.own_blocks and not ref.own_blocks
+    assert all(b.inner.selective is selective for b in mine.blocks)
+    with torch.no_grad():
+        assert torch.allclose(mine(ids), ref(ids), atol=1e-5, rtol=1e-5)
+    assert num_parameters(mine) == num_parameters(ref)
+    run = train_copying(mine, context_len=8, n_data=2, steps=3, eval_batch=8)
+    assert len(run.loss) == 3
+
+
+def test_a_model_of_your_own_blocks_refuses_what_it_cannot_do():
+    mine = mamba_model(V, block_class=_OwnBlock)
+    ids = torch.zeros(1, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match="forward"):
+        mine(ids, return_state=True)
+    with pytest.raises(ValueError, match="forward"):
+        mine(ids, impl="sequential")
+    with pytest.raises(ValueError, match="step"):
+        mine.step(ids[:, 0], None)
+    with pytest.raises(ValueError, match="forward"):
+        mine.generate(ids, 2)
+    with pytest.raises(TypeError, match="block_class"):
+        mamba_model(V, block_class=_OwnBlock(32))
+    with pytest.raises(TypeError, match="load_from"):
+        mamba_model(V, block_class=torch.nn.Identity)
+
+
+@pytest.mark.parametrize("value, graded", [(None, False), ("", False), ("0", False), ("1", True), (" 1 ", True)])
+def test_being_graded_reads_the_autograding_variable(monkeypatch, value, graded):
+    from llmu.runtime import AUTOGRADING_ENV
+
+    if value is None:
+        monkeypatch.delenv(AUTOGRADING_ENV, raising=False)
+    else:
+        monkeypatch.setenv(AUTOGRADING_ENV, value)
+    assert being_graded() is graded
