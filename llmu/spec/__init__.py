@@ -16,6 +16,10 @@
   rewind) with its statistics, and ``expected_tokens_per_step``; the target keeps its keys and
   values in a ``ContiguousTarget`` (module 06's cache) or a ``paged.PagedTarget`` (module 09's
   block pool, rolled back with ``BlockManager.truncate``);
+- ``tree``: tree speculation (SpecInfer, Medusa, EAGLE): a tree of drafts verified in one target
+  pass, with a mask that lets each node see only the context and its ancestors and positions by
+  depth (``tree_mask``, ``tree_positions``, ``verify_greedy``, the loop ``tree_generate``), and
+  prompt lookup as a tree (``NGramTreeDraft``);
 - ``prompts``: the prompts drafts are measured on (``edit``, ``summarise``, ``story``);
 - ``stats``: the chi-square goodness-of-fit test the exactness checks use.
 """

@@ -28,6 +28,7 @@ EXERCISES = {
     "ex3": course.Exercise.numbered(3),
     "ex4": course.Exercise.numbered(4, before=["ex1_solution", "ex2_solution", "ex3_solution"]),
     "ex5": course.Exercise.numbered(5),
+    "ex6": course.Exercise.numbered(6),
 }
 
 
@@ -67,6 +68,34 @@ WRONG = {
     "ex5: 0/0 at alpha = 1": ("ex5", "tokens = g + 1 if alpha == 1 else (1 - alpha ** (g + 1)) / (1 - alpha)",
                               "tokens = (1 - alpha ** (g + 1)) / (1 - alpha)", "test_ex5_hidden"),
     "ex5: alpha not checked": ("ex5", "not 0 <= alpha <= 1", "False", "test_ex5_hidden"),
+    # exercise 6: the tree's mask and positions, greedy verification of a tree, the cache after it
+    "ex6: siblings see each other": ("ex6", "            mask[i] = mask[p]", "            mask[i, prefix_len:prefix_len + i] = True",
+                                     "test_ex6_visible"),
+    "ex6: a node sees its parent but not the ancestors above it": ("ex6", "            mask[i] = mask[p]",
+                                                                    "            mask[i, prefix_len + p] = True", "test_ex6_visible"),
+    "ex6: the committed tokens hidden": ("ex6", "    mask[:, :prefix_len] = True", "    pass", "test_ex6_visible"),
+    "ex6: positions = prefix + node index": ("ex6", "depth.append(0 if p == -1 else depth[p] + 1)", "depth.append(i)",
+                                             "test_ex6_visible"),
+    "ex6: depth counted from 1": ("ex6", "depth.append(0 if p == -1 else depth[p] + 1)",
+                                  "depth.append(1 if p == -1 else depth[p] + 1)", "test_ex6_visible"),
+    "ex6: token compared with the prediction at the node itself": ("ex6", "tokens[i] == best[p + 1]", "tokens[i] == best[i + 1]",
+                                                                   "test_ex6_visible"),
+    "ex6: no bonus token": ("ex6", "return [tokens[i] for i in path] + [best[path[-1] + 1 if path else 0]]",
+                            "return [tokens[i] for i in path] or [best[0]]", "test_ex6_visible"),
+    "ex6: a second target pass": ("ex6", "    best = logits[f - 1:].argmax(-1).tolist()",
+                                  "    best = logits[f - 1:].argmax(-1).tolist()\n"
+                                  "    with torch.no_grad():   # the context's prediction from a plain pass\n"
+                                  "        best[0] = int(model(torch.tensor([list(context)], device=dev)).logits[0, -1].argmax())",
+                                  "test_ex6_visible"),
+    "ex6: accepted nodes' keys and values not moved": ("ex6", "        cache.k[layer][:, :, dst] = cache.k[layer][:, :, src]\n"
+                                                       "        cache.v[layer][:, :, dst] = cache.v[layer][:, :, src]\n",
+                                                       "        pass\n", "test_ex6_visible"),
+    "ex6: a path accepted without its parent": ("ex6", " and (p == -1 or ok[p])", "", "test_ex6_hidden"),
+    "ex6: the first accepted path, not the deepest": ("ex6", "if ok[i] and (last == -1 or depth[i] > depth[last]):",
+                                                      "if ok[i] and (last == -1 or p == last):", "test_ex6_hidden"),
+    "ex6: a node that is its own parent accepted": ("ex6", "if not -1 <= p < i:", "if not -1 <= p:", "test_ex6_visible"),
+    "ex6: a parent below -1 accepted": ("ex6", "if not -1 <= p < i:", "if not p < i:", "test_ex6_hidden"),
+    "ex6: lengths not checked": ("ex6", "    if len(parents) != len(tokens):\n", "    if False:\n", "test_ex6_hidden"),
 }
 
 
@@ -127,3 +156,30 @@ def test_the_experiment_refuses_llmus_loop(notebook, tmp_path):
     course.exec_cell("from llmu.spec.experiment import llmu_generate as my_speculative_generate", ns, tmp_path, "cheat")
     with pytest.raises(CheckFailed, match="a ready-made answer"):
         course.exec_cell(notebook.cells["test_ex5_experiment"], ns, tmp_path, "test_ex5_experiment")
+
+
+# -- exercise 6: the property each typical mistake is caught by ---------------------------------------
+
+EX6_MESSAGES = {
+    "ex6: siblings see each other": "the mask of parents [-1, 0, 0, 1] after 2 committed tokens",
+    "ex6: positions = prefix + node index": "positions of parents [-1, 0, 0, 1] after 2 committed tokens",
+    "ex6: token compared with the prediction at the node itself": "the right path (nodes 2, 4, 5)",
+    "ex6: no bonus token": "the right path (nodes 2, 4, 5) and the target's token after node 5",
+    "ex6: a second target pass": "exactly one pass of the model per step",
+    "ex6: accepted nodes' keys and values not moved": "24 tokens with your tree step equal plain greedy decoding",
+    "ex6: a path accepted without its parent": "the accepted path holds from the top",
+    "ex6: the first accepted path, not the deepest": "the deeper accepted path",
+}
+
+
+@pytest.mark.parametrize("case", list(EX6_MESSAGES))
+def test_ex6_wrong_answers_name_the_property(case, notebook, tmp_path):
+    message = str(notebook.check_caught(*WRONG[case], workdir=tmp_path))
+    assert EX6_MESSAGES[case] in message, message
+
+
+def test_ex6_solution_is_a_design_of_30_to_50_lines():
+    """Exercise 6's reference answer (the mask, the positions, the step and its cache) is a design of
+    30 to 50 lines of code."""
+    lines = course.solution_code_lines(course.cells_by_grade_id(NOTEBOOK)["ex6_solution"])
+    assert 30 <= lines <= 50, lines

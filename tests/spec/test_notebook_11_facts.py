@@ -122,3 +122,31 @@ def test_a_sixth_of_the_bytes_at_a_third_of_the_rate_is_half_the_time(cells):
     assert Fraction(1, 6) / Fraction(1, 3) == Fraction(1, 2)
     assert "a sixth of the bytes at a third of the rate takes half the time" in text
     assert "more than a third of the time" not in text
+
+
+def test_what_a_tree_pass_copies_and_reads(cells):
+    """Exercise 6's cost paragraph: the keys and values one accepted node moves, against SmolLM2's
+    float32 weights (every parameter once: the head is tied to the embedding)."""
+    c = LlamaConfig()
+    kv = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4
+    q_out, kv_out = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    block = (c.hidden_size * (q_out + 2 * kv_out) + q_out * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+             + 2 * c.hidden_size)
+    weights = (c.num_hidden_layers * block + c.vocab_size * c.hidden_size + c.hidden_size) * 4
+    text = prose(cells, "tree_measure_read")
+    assert (f"{c.num_hidden_layers} layers × 2 × {c.num_key_value_heads} KV heads × {c.head_dim} values × 4 bytes = "
+            f"{kv / 1e3:.0f} KB per accepted token, next to the {weights / 1e6:.0f} MB of weights") in text
+    assert "6.82 tokens per pass on `edit` against the chain's 6.25, 9% more" in text and round(6.82 / 6.25 - 1, 2) == 0.09
+    assert "made 9% more tokens per pass than a chain of 12 nodes on `edit`" in prose(cells, "summary")
+
+
+def test_the_tree_of_the_self_check(cells):
+    from llmu.spec.tree import accept_path, tree_mask, tree_positions
+
+    parents = [-1, -1, 0, 2]
+    assert tree_positions(parents, 10).tolist() == [10, 10, 11, 12]
+    assert [j for j in range(4) if tree_mask(parents, 10)[3, 10 + j]] == [0, 2, 3]
+    # the argmax after the context is node 0's token, after node 0 node 2's, after node 2 not node 3's
+    assert accept_path(parents, [5, 6, 7, 8], [5, 7, 0, 9, 0]) == [0, 2]
+    text = prose(cells, "self_check")
+    assert "8. Positions 10, 10, 11, 12" in text and "cropped to 12 slots" in text
