@@ -20,6 +20,8 @@
   trainable-parameter counts;
 - :mod:`llmu.training.dpo`: direct preference optimization, the loss from the policy's and the
   reference's log-probabilities of chosen and rejected answers;
+- :mod:`llmu.training.grpo`: GRPO's loss, with advantages normalised within each prompt's group of
+  sampled completions, PPO's clipped surrogate and the k3 KL penalty towards the reference;
 - :mod:`llmu.training.runs`: the notebook's three runs end to end (pretraining a small byte-level
   model, SFT of SmolLM2 with LoRA, DPO), shared with ``benchmarks/training_runs.py``, which records
   their long versions in ``llmu/data/training_runs.json``;

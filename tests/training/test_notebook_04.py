@@ -10,6 +10,8 @@ calls the learner's pieces of exercises 1 to 5, so their solution cells run firs
 
 from __future__ import annotations
 
+import pytest
+
 import llmu  # noqa: F401  (runtime setup first: Triton's interpreter on a CPU)
 from llmu import course
 
@@ -28,6 +30,7 @@ EXERCISES = {
     "ex8": course.Exercise.numbered(8, before=["ex8_helper"]),     # the logits_tile helper its kernel calls
     "ex9": course.Exercise.numbered(9),
     "ex10": course.Exercise.numbered(10),
+    "ex12": course.Exercise.numbered(12),
 }
 
 
@@ -131,6 +134,33 @@ WRONG = {
                             "-torch.log(torch.sigmoid(beta * (chosen - rejected))).mean()", "test_ex10_hidden"),
     "ex10: reference not detached": ("ex10", "chosen = policy_chosen - ref_chosen.detach()",
                                     "chosen = policy_chosen - ref_chosen", "test_ex10_hidden"),
+    "ex12: advantages over the whole batch": ("ex12", "(r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + eps)",
+                                              "(r - r.mean()) / (r.std() + eps)", "test_ex12_visible"),
+    "ex12: population std": ("ex12", "r.std(dim=1, keepdim=True)", "r.std(dim=1, correction=0, keepdim=True)",
+                             "test_ex12_visible"),
+    "ex12: std without eps": ("ex12", "(r.std(dim=1, keepdim=True) + eps)", "r.std(dim=1, keepdim=True)",
+                              "test_ex12_visible"),
+    "ex12: max in the surrogate": ("ex12", "surrogate = torch.minimum(", "surrogate = torch.maximum(",
+                                   "test_ex12_visible"),
+    "ex12: clip applied to the advantage": ("ex12", "ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv",
+                                            "ratio * adv.clamp(1 - clip_eps, 1 + clip_eps)", "test_ex12_visible"),
+    "ex12: KL as logp_new - logp_ref": ("ex12", "kl = torch.exp(log_ref) - log_ref - 1", "kl = -log_ref",
+                                       "test_ex12_visible"),
+    "ex12: mean over all tokens of the batch": ("ex12", "loss = (per_token.sum(dim=2) / n_tokens).mean()",
+                                                "loss = per_token.sum() / n_tokens.sum()", "test_ex12_visible"),
+    "ex12: mask ignored": ("ex12", "valid = mask.bool()", "valid = torch.ones_like(mask, dtype=torch.bool)",
+                           "test_ex12_visible"),
+    "ex12: sign of the loss": ("ex12", "per_token = torch.where(valid, -(surrogate - beta * kl), zero)",
+                               "per_token = torch.where(valid, surrogate - beta * kl, zero)", "test_ex12_visible"),
+    "ex12: clip fraction ignores the advantage's sign": (
+        "ex12", "((ratio > 1 + clip_eps) & (adv > 0)) | ((ratio < 1 - clip_eps) & (adv < 0))",
+        "(ratio > 1 + clip_eps) | (ratio < 1 - clip_eps)", "test_ex12_hidden"),
+    "ex12: padding masked after the exponential": ("ex12", "log_ratio = torch.where(valid, logp_new - logp_old.detach(), zero)",
+                                                   "log_ratio = logp_new - logp_old.detach()", "test_ex12_hidden"),
+    "ex12: reference not detached": ("ex12", "logp_ref.detach() - logp_new", "logp_ref - logp_new", "test_ex12_hidden"),
+    "ex12: beta = 0 refused": ("ex12", "if clip_eps <= 0 or beta < 0:", "if clip_eps <= 0 or beta <= 0:",
+                               "test_ex12_hidden"),
+    "ex12: G = 1 accepted": ("ex12", "if logp_new.shape[1] < 2:", "if logp_new.shape[1] < 1:", "test_ex12_hidden"),
 }
 
 
@@ -140,6 +170,34 @@ WRONG = {
  test_library_answers_fail) = course.exercise_tests(
     NOTEBOOK, EXERCISES, WRONG)
 
+
+
+# Exercise 12's typical mistakes fail with a message that names the property they break.
+EX12_MESSAGES = {
+    "ex12: advantages over the whole batch": "the gradient is -A_i / (|o_i| * P * G)",
+    "ex12: std without eps": "a group with identical rewards: the loss is finite",
+    "ex12: max in the surrogate": "the loss of 2 completions",
+    "ex12: clip applied to the advantage": "the loss of 2 completions",
+    "ex12: KL as logp_new - logp_ref": "the loss of 2 completions",
+    "ex12: mean over all tokens of the batch": "the loss of 2 completions",
+    "ex12: clip fraction ignores the advantage's sign": "stats['clip_fraction']",
+    "ex12: padding masked after the exponential": "padding holding +-1e4",
+    "ex12: reference not detached": "no gradient reaches logp_ref",
+    "ex12: beta = 0 refused": "beta = 0 is allowed",
+    "ex12: G = 1 accepted": "G = 1 (no baseline) raises ValueError",
+}
+
+
+@pytest.mark.parametrize("case", list(EX12_MESSAGES))
+def test_ex12_wrong_answers_name_the_property(case, notebook, tmp_path):
+    message = str(notebook.check_caught(*WRONG[case], workdir=tmp_path))
+    assert EX12_MESSAGES[case] in message, message
+
+
+def test_ex12_solution_is_a_design_of_25_to_40_lines():
+    """The GRPO loss is a real design: its solution region has 25 to 40 lines of code."""
+    lines = course.solution_code_lines(course.cells_by_grade_id(NOTEBOOK)["ex12_solution"])
+    assert 25 <= lines <= 40, lines
 
 def test_recorded_runs_fit_the_notebook():
     """The notebook replays the first steps of the recorded runs with the recorded settings: the
